@@ -1,0 +1,133 @@
+"""Checkpoint directories: appear whole or not at all.
+
+Layout of a checkpoint directory:
+    config.json        LiLiCorrConfig (drafter fields resolved for the target) + target fingerprint
+    model.safetensors  drafter.* and head.* parameters (the frozen target is never stored)
+    optimizer.pt       optimizer + scheduler + step + RNG state (training only; optional)
+    meta.json          step, losses, data position; written last (its presence marks completeness)
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lilicorr.config import LiLiCorrConfig
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer.pt"
+META = "meta.json"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated or does not match what it is loaded into."""
+
+
+def target_fingerprint(target_cfg) -> dict:
+    """What a checkpoint must agree with in the target it is used with."""
+    return {"model_type": target_cfg.model_type, "hidden_size": target_cfg.hidden_size,
+            "num_hidden_layers": target_cfg.num_hidden_layers, "vocab_size": target_cfg.vocab_size}
+
+
+def atomic_dir(final: Path, fill) -> Path:
+    """Create `final` by filling a sibling temp dir and renaming it into place (replacing an old one)."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        fill(tmp)
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def save_checkpoint(path, cfg: LiLiCorrConfig, state_dict: dict, target_cfg, meta: dict,
+                    optimizer_state: dict | None = None) -> Path:
+    """Write a checkpoint directory atomically. state_dict holds drafter.*/head.* tensors."""
+    def fill(tmp: Path):
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        doc = {"lilicorr": cfg.to_dict(), "target": target_fingerprint(target_cfg)}
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2, sort_keys=True))
+        if optimizer_state is not None:
+            torch.save(optimizer_state, tmp / OPTIMIZER)
+        (tmp / META).write_text(json.dumps(meta, indent=2, sort_keys=True))
+    return atomic_dir(Path(path), fill)
+
+
+def read_config(path) -> tuple[LiLiCorrConfig, dict]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    for name in (CONFIG, WEIGHTS, META):
+        if not (path / name).is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
+    try:
+        doc = json.loads((path / CONFIG).read_text())
+        return LiLiCorrConfig.from_dict(doc["lilicorr"]), doc.get("target", {})
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {path}: {CONFIG} is corrupt ({e})") from e
+
+
+def check_target(path, fingerprint: dict, target_cfg) -> None:
+    want = target_fingerprint(target_cfg)
+    diff = {k: (fingerprint.get(k), v) for k, v in want.items() if fingerprint.get(k) != v}
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs target {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint {path} was trained for another target ({detail})")
+
+
+def load_state_dict(path) -> dict[str, torch.Tensor]:
+    file = Path(path) / WEIGHTS
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors raises several types for truncated / garbage files
+        raise CheckpointError(f"checkpoint {path}: {WEIGHTS} is truncated or corrupt ({e})") from e
+
+
+def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], path) -> None:
+    """Strict load with an error that names missing, unexpected and mis-shaped tensors."""
+    own = module.state_dict()
+    missing = sorted(set(own) - set(state))
+    unexpected = sorted(set(state) - set(own))
+    shapes = [f"{k}: checkpoint {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
+              for k in set(own) & set(state) if own[k].shape != state[k].shape]
+    if missing or unexpected or shapes:
+        parts = []
+        if missing:
+            parts.append(f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}")
+        if unexpected:
+            parts.append(f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        if shapes:
+            parts.append("shape mismatch " + "; ".join(sorted(shapes)[:5]))
+        raise CheckpointError(f"checkpoint {path} does not match the model: " + ", ".join(parts))
+    module.load_state_dict(state, strict=True)
+
+
+def read_meta(path) -> dict:
+    return json.loads((Path(path) / META).read_text())
+
+
+def file_sha256(path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()

@@ -1,0 +1,362 @@
+"""The speculative decoding engine (DESIGN.md §5): one implementation for eval, bench and Triton.
+
+Continuous batching over ragged sequences: every request has its own target KV-cache slot and
+drafter context-cache slot; requests join (prefill) and leave (finish / cancel) between steps;
+rejected tokens roll back by length. One step for the speculative rows:
+
+    drafter context <- newly verified target features     (draft runner)
+    draft block [anchor, mask x S] -> top-K -> head -> decode rule     (draft runner)
+    target verify of [anchor, d_1..d_S] -> accept (+ bonus token) -> capture features
+
+Rows with rule `ar` verify a single token per step (plain autoregressive decoding).
+State kept per row after each step: the anchor (last committed token, not yet in the target
+cache) at position p = target cache length, the target features of verified tokens not yet in the
+drafter context, and the captured layers at p-1 (the head's target state).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lilicorr.model import RULES, load_model, untrained_model
+from lilicorr.profiling import BLOCK, STAGE_ACCEPT, STAGE_DRAFT, STAGE_VERIFY, nvtx_range, stage
+from lilicorr.target import load_target
+
+
+@dataclass
+class StepEvent:
+    rid: int
+    new_tokens: list[int]
+    finished: bool
+    finish_reason: str | None = None
+    accepted: int = 0            # tokens committed by this step (accepted drafts + bonus)
+    drafted: int = 0             # draft tokens proposed by this step
+
+
+@dataclass
+class Result:
+    rid: int
+    prompt_len: int
+    tokens: list[int]
+    finish_reason: str
+    num_steps: int               # verify steps after prefill
+    accepted_tokens: int         # sum over steps of (accepted drafts + bonus), before truncation
+    oracle_accepted: int         # same with a perfect reranker over the drafter's top-K pools
+    slot_reached: list[int]      # per slot: steps in which the slot was verified
+    slot_accepted: list[int]     # per slot: steps in which the slot's draft was accepted
+
+    @property
+    def tau(self) -> float:
+        return self.accepted_tokens / max(self.num_steps, 1)
+
+
+@dataclass
+class _Seq:
+    rid: int
+    prompt: list[int]
+    max_tokens: int
+    rule: str
+    temperature: float
+    generator: torch.Generator | None
+    stop_ids: frozenset
+    tslot: int = -1                      # target cache slot
+    dslot: int = -1                      # drafter context slot (-1 for ar rows)
+    tokens: list[int] = field(default_factory=list)
+    anchor: int = -1
+    pending: torch.Tensor | None = None  # [P, n, H] verified features not yet in the drafter context
+    pending_pos: int = 0
+    state: torch.Tensor | None = None    # [n, H] captured layers at anchor position - 1
+    prefilled: bool = False
+    steps: int = 0
+    accepted: int = 0
+    oracle: int = 0
+    slot_reached: list[int] = field(default_factory=list)
+    slot_accepted: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def anchor_pos(self) -> int:
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+class SpecEngine:
+    def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048):
+        """target: TargetModel; runner: a draft runner (None -> only rule `ar`)."""
+        self.target = target
+        self.runner = runner
+        self.max_batch = max_batch
+        limit = target.config.max_position_embeddings
+        self.max_seq_len = min(max_seq_len, limit) if limit else max_seq_len
+        self.block_size = runner.block_size if runner is not None else 1
+        self.capture = list(runner.model.cfg.drafter.target_layer_ids) if runner is not None else []
+        self.cache = target.new_cache(max_batch, capacity=min(256, self.max_seq_len + self.block_size))
+        self.vocab_size = target.config.vocab_size
+        self._seqs: dict[int, _Seq] = {}
+        self._finished: dict[int, _Seq] = {}   # kept for result()/pop_result() when keep_results
+        self.keep_results = True
+        self._ids = itertools.count()
+
+    # -- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_paths(cls, target_dir, ckpt_dir=None, engine_dir=None, max_batch: int = 32,
+                   max_seq_len: int = 2048, device: str = "cpu", dtype=torch.float32,
+                   draft_backend: str = "torch", yarn_factor: float | None = None,
+                   untrained_seed: int | None = None, block_size: int | None = None) -> "SpecEngine":
+        """Target from an HF folder; drafter+head from a checkpoint, an engine directory (its
+        manifest names the checkpoint and the built graph), or untrained (`untrained_seed`)."""
+        target = load_target(target_dir, dtype=dtype, device=device)
+        if yarn_factor:
+            target.enable_yarn(yarn_factor)
+        runner = None
+        if engine_dir is not None:
+            from lilicorr.engine_dir import make_runner  # written by the converter stage
+            runner = make_runner(Path(engine_dir), target, num_slots=max_batch, backend=draft_backend)
+        elif ckpt_dir is not None:
+            from lilicorr.draft_runner import TorchDraftRunner
+            runner = TorchDraftRunner(load_model(ckpt_dir, target), max_batch)
+        elif untrained_seed is not None:
+            from lilicorr.draft_runner import TorchDraftRunner
+            runner = TorchDraftRunner(untrained_model(target, seed=untrained_seed, block_size=block_size), max_batch)
+        return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len)
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
+                    seed: int | None = None, stop_ids=None) -> int:
+        """Validate and queue a request (prefilled at the next step). Raises ValueError on bad input."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise ValueError("empty prompt")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
+        if rule not in RULES:
+            raise ValueError(f"unknown decode rule {rule!r}; choose from {', '.join(RULES)}")
+        if rule != "ar" and self.runner is None:
+            raise ValueError(f"rule {rule!r} needs a drafter; this engine has none (only 'ar')")
+        if rule in ("lilicorr", "viterbi") and not self.runner.has_head:
+            raise ValueError(f"rule {rule!r} needs a LiLiCorr head; this checkpoint is vanilla DFlash")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        temperature = float(temperature)
+        if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        room = self.max_seq_len - self.block_size - 1
+        if len(prompt) > room:
+            raise ValueError(f"prompt of {len(prompt)} tokens is longer than the context allows ({room})")
+        if len(prompt) + max_tokens > room + 1:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
+                             f"({self.max_seq_len} incl. a block of {self.block_size})")
+        if len(self._seqs) >= self.max_batch:
+            raise RuntimeError(f"engine is full ({self.max_batch} active sequences)")
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
+        rid = next(self._ids)
+        s = _Seq(rid, prompt, max_tokens, rule, temperature, gen, frozenset(stop_ids or ()))
+        s.tslot = self.cache.allocate()
+        if rule != "ar":
+            s.dslot = self.runner.allocate()
+        s.slot_reached = [0] * (self.block_size - 1)
+        s.slot_accepted = [0] * (self.block_size - 1)
+        self._seqs[rid] = s
+        return rid
+
+    def cancel(self, rid: int) -> None:
+        """Drop a sequence and free its cache slots (no-op if it already finished)."""
+        s = self._seqs.pop(rid, None)
+        if s is not None:
+            self._release(s)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._seqs)
+
+    def _release(self, s: _Seq) -> None:
+        self.cache.free(s.tslot)
+        if s.dslot >= 0:
+            self.runner.free(s.dslot)
+
+    # -- stepping ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> list[StepEvent]:
+        """Prefill new requests, then one speculative (or AR) step for every other active one."""
+        events: list[StepEvent] = []
+        fresh = [s for s in self._seqs.values() if not s.prefilled]
+        running = [s for s in self._seqs.values() if s.prefilled]
+        if fresh:
+            with nvtx_range("engine/prefill"):
+                events += self._prefill(fresh)
+        spec = [s for s in running if s.rule != "ar"]
+        ar = [s for s in running if s.rule == "ar"]
+        if spec:
+            with stage(BLOCK):
+                events += self._spec_step(spec)
+        if ar:
+            with nvtx_range("engine/ar_step"):
+                events += self._ar_step(ar)
+        for ev in events:
+            if ev.finished:
+                s = self._seqs.pop(ev.rid)
+                self._release(s)
+                if self.keep_results:
+                    self._finished[ev.rid] = s
+        return events
+
+    def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
+        n = len(seqs)
+        lens = torch.tensor([len(s.prompt) for s in seqs])
+        t = int(lens.max())
+        ids = torch.zeros(n, t, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s.prompt)] = torch.tensor(s.prompt)
+        pos = torch.arange(t).expand(n, t)
+        rows = torch.tensor([s.tslot for s in seqs])
+        out = self.target(ids, pos, cache=self.cache, rows=rows, valid=lens, capture=self.capture, logits=False)
+        last = out.last_hidden[torch.arange(n), lens - 1]                     # [N, H]
+        logits = self.target.lm_head(last).float()                             # [N, V]
+        events = []
+        for i, s in enumerate(seqs):
+            s.prefilled = True
+            tok = self._sample(logits[i], s)
+            if s.rule != "ar":
+                s.pending = out.captured[i, : len(s.prompt)].clone()          # [P, n, H]
+                s.pending_pos = 0
+                s.state = out.captured[i, len(s.prompt) - 1].clone()           # [n, H]
+            events.append(self._commit(s, [tok], accepted=1, drafted=0, count_step=False))
+        return events
+
+    def _spec_step(self, seqs: list[_Seq]) -> list[StepEvent]:
+        b = self.block_size
+        n = len(seqs)
+        dslots = torch.tensor([s.dslot for s in seqs])
+        with stage(STAGE_DRAFT):
+            pend = [(i, s) for i, s in enumerate(seqs) if s.pending is not None and len(s.pending)]
+            if pend:
+                self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
+                                           torch.tensor([s.pending_pos for _, s in pend]))
+                for _, s in pend:
+                    s.pending = None
+        anchors = torch.tensor([s.anchor for s in seqs])
+        apos = torch.tensor([s.anchor_pos for s in seqs])
+        state = torch.stack([s.state for s in seqs])                          # [N, n, H]
+        prop = self.runner.draft(dslots, anchors, apos, state, [s.rule for s in seqs])
+        block = torch.cat([anchors[:, None], prop.tokens], dim=1)              # [N, B]
+        with stage(STAGE_VERIFY):
+            rows = torch.tensor([s.tslot for s in seqs])
+            pos = apos[:, None] + torch.arange(b)[None, :]
+            out = self.target(block, pos, cache=self.cache, rows=rows, capture=self.capture)
+        events = []
+        with stage(STAGE_ACCEPT):
+            logits = out.logits                                               # [N, B, V]
+            greedy = logits.argmax(-1)                                         # [N, B]
+            for i, s in enumerate(seqs):
+                drafts = prop.tokens[i].tolist()
+                if s.temperature > 0:
+                    a, bonus = self._reject_sample(logits[i], drafts, s)
+                else:
+                    match = (prop.tokens[i] == greedy[i, :-1]).long().cumprod(0)
+                    a = int(match.sum())
+                    bonus = int(greedy[i, a])
+                # oracle: a perfect reranker over the pools accepts while the target token is pooled
+                pooled = (prop.cand_ids[i] == greedy[i, :-1, None]).any(-1).long().cumprod(0)
+                s.oracle += int(pooled.sum()) + 1
+                for j in range(min(a + 1, b - 1)):
+                    s.slot_reached[j] += 1
+                for j in range(a):
+                    s.slot_accepted[j] += 1
+                # roll the target cache back to anchor + accepted drafts (bonus not yet run)
+                self.cache.truncate(rows[i:i + 1], torch.tensor([s.anchor_pos + a + 1]))
+                s.pending = out.captured[i, : a + 1].clone()                   # [a+1, n, H]
+                s.pending_pos = s.anchor_pos
+                s.state = out.captured[i, a].clone()
+                s.steps += 1
+                events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=b - 1))
+        return events
+
+    def _ar_step(self, seqs: list[_Seq]) -> list[StepEvent]:
+        n = len(seqs)
+        ids = torch.tensor([[s.anchor] for s in seqs])
+        pos = torch.tensor([[s.anchor_pos] for s in seqs])
+        rows = torch.tensor([s.tslot for s in seqs])
+        with stage(STAGE_VERIFY):
+            out = self.target(ids, pos, cache=self.cache, rows=rows)
+        events = []
+        for i, s in enumerate(seqs):
+            tok = self._sample(out.logits[i, 0], s)
+            s.steps += 1
+            events.append(self._commit(s, [tok], accepted=1, drafted=0))
+        return events
+
+    # -- acceptance ----------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, s: _Seq) -> int:
+        if s.temperature <= 0:
+            return int(logits.argmax())
+        p = torch.softmax(logits.float() / s.temperature, -1)
+        return int(torch.multinomial(p, 1, generator=s.generator))
+
+    def _reject_sample(self, logits: torch.Tensor, drafts: list[int], s: _Seq) -> tuple[int, int]:
+        """Exact rejection sampling for a deterministic proposal (DESIGN.md §5): accept x_i with
+        probability p_i(x_i); on rejection sample from p_i without x_i (renormalised); if every
+        draft is accepted the bonus comes from p_B. Preserves the target distribution."""
+        probs = torch.softmax(logits.float() / s.temperature, -1)              # [B, V]
+        for i, x in enumerate(drafts):
+            u = float(torch.rand((), generator=s.generator))
+            if u < float(probs[i, x]):
+                continue
+            resid = probs[i].clone()
+            resid[x] = 0.0
+            total = float(resid.sum())
+            if total <= 0:          # p_i(x) == 1 up to rounding: x is certain, accept it
+                continue
+            return i, int(torch.multinomial(resid / total, 1, generator=s.generator))
+        return len(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=s.generator))
+
+    def _commit(self, s: _Seq, new: list[int], accepted: int, drafted: int, count_step: bool = True) -> StepEvent:
+        """Append tokens, apply stop tokens and max_tokens; returns the step's event."""
+        if count_step:
+            s.accepted += accepted
+        room = s.max_tokens - len(s.tokens)
+        reason = None
+        out = []
+        for t in new[:room]:
+            out.append(t)
+            if t in s.stop_ids:
+                reason = "stop"
+                break
+        if reason is None and len(s.tokens) + len(out) >= s.max_tokens:
+            reason = "length"
+        s.tokens.extend(out)
+        s.anchor = s.tokens[-1]
+        s.finish_reason = reason
+        return StepEvent(s.rid, out, reason is not None, reason, accepted, drafted)
+
+    # -- convenience ---------------------------------------------------------------------------
+    def result(self, rid: int) -> Result:
+        s = self._finished.get(rid) or self._seqs[rid]
+        return Result(s.rid, len(s.prompt), list(s.tokens), s.finish_reason or "running", s.steps,
+                      s.accepted, s.oracle, list(s.slot_reached), list(s.slot_accepted))
+
+    def pop_result(self, rid: int) -> Result:
+        r = self.result(rid)
+        self._finished.pop(rid, None)
+        return r
+
+    def generate(self, prompts: list[list[int]], max_tokens, rule: str = "lilicorr", temperature: float = 0.0,
+                 seed: int | None = None, stop_ids=None, progress=None) -> list[Result]:
+        """Run prompts to completion with continuous batching (at most max_batch at a time)."""
+        max_list = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+        queue = list(enumerate(prompts))
+        rid_of: dict[int, int] = {}
+        while queue or self._seqs:
+            while queue and len(self._seqs) < self.max_batch:
+                i, p = queue.pop(0)
+                rid_of[i] = self.add_request(p, max_list[i], rule=rule, temperature=temperature,
+                                             seed=None if seed is None else seed + i, stop_ids=stop_ids)
+            for ev in self.step():
+                if progress is not None:
+                    progress(len(ev.new_tokens))
+        return [self.pop_result(rid_of[i]) for i in range(len(prompts))]

@@ -1,0 +1,138 @@
+"""Slot-pooled key/value cache with per-slot ragged lengths (DESIGN.md §5).
+
+Storage is `k`, `v`: [num_layers, num_slots, num_kv_heads, capacity, head_dim], so a read is
+already in the [N, h, S, D] layout that scaled_dot_product_attention wants. Each slot (one
+sequence) has its own length; rejected tokens roll back by length (`truncate`), never by copying.
+Capacity grows by doubling when a write would overflow. The class is shape-generic: the target
+uses it with its own heads, the drafter's context cache with its own.
+
+Typical use by a model forward over rows `rows` (slot ids) with `T` new tokens per row:
+
+    start = cache.lengths[rows]                 # [N] keys already cached
+    cache.reserve(rows, T)                      # grow once, before the layers
+    idx = cache.row_index(rows)                 # slice when rows are consecutive (no gather copy)
+    for layer ...:
+        cache.write(layer, idx, k, v, start)    # k, v [N, T, h, D] at positions start + t
+        k_all, v_all = cache.read(layer, idx, upto)   # [N, h, upto, D]
+    cache.advance(rows, valid)                  # lengths[rows] += valid
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["KVCache"]
+
+RowIndex = torch.Tensor | slice
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                 capacity: int = 256, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if min(num_layers, num_slots, num_kv_heads, head_dim, capacity) <= 0:
+            raise ValueError("KVCache sizes must all be positive")
+        self.num_layers, self.num_slots = num_layers, num_slots
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_layers, num_slots, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, slots, h, C, D]
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, slots, h, C, D]
+        self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [slots]
+        self._free = list(range(num_slots - 1, -1, -1))  # stack: allocate() pops slot 0 first
+
+    # ---------------------------------------------------------------- slot pool
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int:
+        """Take a free slot (its length is 0)."""
+        if not self._free:
+            raise RuntimeError(f"KVCache: all {self.num_slots} slots are in use")
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        """Return a slot to the pool."""
+        if not 0 <= slot < self.num_slots or slot in self._free:
+            raise ValueError(f"KVCache: slot {slot} is not allocated")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    # ---------------------------------------------------------------- lengths
+    def truncate(self, rows: torch.Tensor, new_lengths: torch.Tensor | int) -> None:
+        """Roll rows back to `new_lengths` ([N] long or int); never grows a row."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        new = torch.as_tensor(new_lengths, dtype=torch.long, device=self.device).expand(rows.shape)
+        if bool((new < 0).any()) or bool((new > self.lengths[rows]).any()):
+            raise ValueError(f"truncate: new lengths {new.tolist()} outside [0, {self.lengths[rows].tolist()}]")
+        self.lengths[rows] = new
+
+    def advance(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
+        """lengths[rows] += n (after a write of n real tokens per row)."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        self.lengths[rows] += torch.as_tensor(n, dtype=torch.long, device=self.device)
+
+    def reserve(self, rows: torch.Tensor, extra: int) -> None:
+        """Make room for `extra` more tokens in every row (doubling capacity as needed)."""
+        needed = int(self.lengths[rows].max()) + extra if len(rows) else 0
+        if needed > self.capacity:
+            self._grow(needed)
+
+    def _grow(self, needed: int) -> None:
+        cap = self.capacity
+        while cap < needed:
+            cap *= 2
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = torch.zeros(old.shape[:3] + (cap, old.shape[4]), dtype=self.dtype, device=self.device)
+            new[:, :, :, : old.shape[3]] = old
+            setattr(self, name, new)
+
+    # ---------------------------------------------------------------- data
+    @staticmethod
+    def row_index(rows: torch.Tensor) -> RowIndex:
+        """A slice when `rows` are consecutive ascending slots (reads are then views), else `rows`."""
+        n = rows.numel()
+        if n and rows.device.type == "cpu":
+            first = int(rows[0])
+            if bool((rows == torch.arange(first, first + n, device=rows.device)).all()):
+                return slice(first, first + n)
+        return rows
+
+    def write(self, layer: int, rows: RowIndex, k: torch.Tensor, v: torch.Tensor,
+              start: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
+        """Store k, v [N, T, h, D] for rows at positions start[i] + t (start defaults to lengths[rows]).
+
+        With `valid` ([N] long) only t < valid[i] is stored. Lengths are not changed (see `advance`):
+        every layer of one forward writes at the same positions.
+        """
+        n, t = k.shape[:2]
+        row_ids = _as_ids(rows, self.device)                                         # [N]
+        if start is None:
+            start = self.lengths[row_ids]
+        if int(start.max()) + t > self.capacity:
+            self._grow(int(start.max()) + t)
+        pos = start[:, None] + torch.arange(t, device=self.device)                  # [N, T]
+        r = row_ids[:, None].expand(n, t)                                            # [N, T]
+        kk, vv = self.k[layer], self.v[layer]                                        # [slots, h, C, D]
+        if valid is not None:
+            keep = torch.arange(t, device=self.device)[None, :] < valid[:, None]     # [N, T]
+            r, pos, k, v = r[keep], pos[keep], k[keep], v[keep]                      # [M], [M, h, D]
+        # advanced indices around a slice put the indexed dims first: target view is [N, T, h, D]
+        kk[r, :, pos] = k.to(self.dtype)
+        vv[r, :, pos] = v.to(self.dtype)
+
+    def read(self, layer: int, rows: RowIndex, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> k, v [N, h, upto, D]: the first `upto` cached positions of each row (a view for slices)."""
+        return self.k[layer, rows, :, :upto], self.v[layer, rows, :, :upto]
+
+
+def _as_ids(rows: RowIndex, device: torch.device) -> torch.Tensor:
+    if isinstance(rows, slice):
+        return torch.arange(rows.start, rows.stop, device=device)
+    return rows

@@ -1,0 +1,107 @@
+"""Training objectives: Eq. 6 (DFlash block CE), Eq. 3 (oracle-prefix CE), Eqs. 4-5 (target-weighted
+distractor penalty), Eq. 13 (margin hinge), combined as Eq. 7 / Appendix G.
+
+Every term is returned as a (sum, count) pair so the trainer can normalise by the *global* count
+across data-parallel ranks (token-pooled, like SpecForge), which makes a 2-process run equal a
+1-process run with the same global batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from lilicorr.config import LossConfig
+
+
+@dataclass
+class LossTerms:
+    """Sums and counts of each term for one micro-batch (divide by global counts to get means)."""
+
+    dflash_sum: torch.Tensor       # sum_s w_s * CE_s                 (Eq. 6 numerator)
+    dflash_weight: torch.Tensor    # sum_s w_s
+    ce_sum: torch.Tensor           # Eq. 3 numerator over oracle-prefix slots
+    dist_sum: torch.Tensor         # Eq. 5 numerator
+    margin_sum: torch.Tensor       # Eq. 13 numerator
+    num_supervised: torch.Tensor   # |S|: oracle-prefix slots
+
+
+def slot_decay(num_slots: int, beta: float, device=None) -> torch.Tensor:
+    """w_s = exp(-(s-1)/beta) for s = 1..S (Eq. 6). beta <= 0 disables the decay."""
+    s = torch.arange(num_slots, device=device, dtype=torch.float32)
+    return torch.exp(-s / beta) if beta > 0 else torch.ones_like(s)
+
+
+def dflash_terms(slot_logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
+                 beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6. slot_logits [N, S, V], labels [N, S] long, label_mask [N, S] bool -> (sum, weight)."""
+    w = slot_decay(labels.shape[1], beta, labels.device)[None, :] * label_mask.float()   # [N, S]
+    ce = F.cross_entropy(slot_logits.float().flatten(0, 1), labels.clamp_min(0).flatten(),
+                         reduction="none").view_as(w)                                    # [N, S]
+    return (w * ce).sum(), w.sum()
+
+
+def oracle_prefix(cand_ids: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor):
+    """The oracle prefix of §3.3: the leading run of slots whose ground truth is in the pool.
+
+    cand_ids [N, S, K], labels [N, S], label_mask [N, S] bool
+    returns prefix [N, S] bool, gt_index [N, S] long (index of the label in the pool, 0 if absent)
+    """
+    hit = cand_ids == labels[..., None]                                  # [N, S, K]
+    covered = hit.any(-1) & label_mask                                   # [N, S]
+    prefix = covered.long().cumprod(dim=1).bool()                        # [N, S]
+    return prefix, hit.long().argmax(-1)
+
+
+def teacher_forced_scores(anchor_scores: torch.Tensor, pair_scores: torch.Tensor,
+                          gt_index: torch.Tensor) -> torch.Tensor:
+    """z_s[k] = phi(s-1, g_{s-1}, k) (Eq. 2) with the ground-truth predecessor.
+
+    anchor_scores [N, K], pair_scores [N, S-1, K, K], gt_index [N, S] -> z [N, S, K]
+    """
+    prev = gt_index[:, :-1, None, None].expand(-1, -1, 1, pair_scores.shape[-1])  # [N, S-1, 1, K]
+    rows = torch.gather(pair_scores, 2, prev).squeeze(2)                           # [N, S-1, K]
+    return torch.cat([anchor_scores[:, None, :], rows], dim=1)                     # [N, S, K]
+
+
+def reranker_terms(z: torch.Tensor, gt_index: torch.Tensor, prefix: torch.Tensor,
+                   cand_target_logq: torch.Tensor, rho: float):
+    """Eq. 3, Eqs. 4-5 and Eq. 13 summed over the oracle prefix.
+
+    z [N, S, K] teacher-forced scores, gt_index [N, S], prefix [N, S] bool,
+    cand_target_logq [N, S, K] target log-probabilities of the candidates (teacher-forced pass).
+    """
+    mask = prefix.float()                                                       # [N, S]
+    logp = torch.log_softmax(z.float(), dim=-1)                                 # [N, S, K]
+    g = gt_index[..., None]                                                     # [N, S, 1]
+    ce = -torch.gather(logp, -1, g).squeeze(-1)                                 # Eq. 3 [N, S]
+    logq = cand_target_logq.float().detach()
+    cost = F.relu(torch.gather(logq, -1, g) - logq)                             # relu(log q_g - log q_k)
+    omega = (logp.exp() * cost).sum(-1)                                         # Eq. 4 [N, S]
+    z_g = torch.gather(z.float(), -1, g).squeeze(-1)
+    others = z.float().masked_fill(F.one_hot(gt_index, z.shape[-1]).bool(), float("-inf"))
+    gap = z_g - others.max(-1).values                                           # Delta_s
+    hinge = F.relu(rho - gap)                                                   # Eq. 13 [N, S]
+    return (ce * mask).sum(), (omega * mask).sum(), (hinge * mask).sum(), mask.sum()
+
+
+def combine(terms: LossTerms, cfg: LossConfig, counts: dict | None = None, vanilla: bool = False):
+    """Eq. 7 (Appendix G with mu > 0): L_DFlash + gamma[(1-mu) L_CE + lambda L_dist + mu L_margin].
+
+    counts: optional global {'dflash_weight', 'num_supervised'} to normalise by (data parallel).
+    Returns (loss, parts) with parts as floats for logging.
+    """
+    dw = (counts or {}).get("dflash_weight", terms.dflash_weight).clamp_min(1e-9)
+    ns = (counts or {}).get("num_supervised", terms.num_supervised).clamp_min(1.0)
+    l_dflash = terms.dflash_sum / dw
+    parts = {"dflash": l_dflash}
+    loss = l_dflash
+    if not vanilla:
+        l_ce, l_dist, l_margin = terms.ce_sum / ns, terms.dist_sum / ns, terms.margin_sum / ns
+        lam = cfg.lam if cfg.distractor else 0.0
+        rerank = (1 - cfg.mu) * l_ce + lam * l_dist + cfg.mu * l_margin
+        loss = loss + cfg.gamma * rerank
+        parts.update(ce=l_ce, dist=l_dist, margin=l_margin)
+    parts["total"] = loss
+    return loss, {k: float(v.detach()) for k, v in parts.items()}

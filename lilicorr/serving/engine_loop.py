@@ -1,0 +1,270 @@
+"""In-flight batching loop: one SpecEngine, one engine thread, every concurrent request.
+
+``execute()`` of the decoupled Triton model only validates and `submit`s; this thread admits
+waiting jobs (``engine.add_request``), checks cancellations (``sink.is_cancelled()`` ->
+``engine.cancel(rid)``), runs ``engine.step()`` and streams each step's new tokens through the
+job's sink. Every job ends with exactly one final response (data, error, or an empty FINAL after
+a cancellation), so no client waits forever. Pure Python: tests drive it with a fake engine.
+
+The pattern is TensorRT-LLM's Python-backend ``tensorrt_llm`` model (engine + awaiter +
+cancellation threads), folded into one thread since our engine steps synchronously.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from .protocol import CONTEXT_WINDOW, GenerationParams
+
+INVALID_ARG = "INVALID_ARG"
+INTERNAL = "INTERNAL"
+UNAVAILABLE = "UNAVAILABLE"
+
+
+class Sink(Protocol):
+    """Where one request's responses go (a Triton response sender in production)."""
+
+    def send(self, outputs: dict[str, np.ndarray], final: bool) -> None: ...
+    def send_error(self, code: str, message: str) -> None: ...      # always final
+    def send_final(self) -> None: ...                                # empty FINAL
+    def is_cancelled(self) -> bool: ...
+
+
+@dataclasses.dataclass
+class Job:
+    request_id: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    sink: Sink
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
+    rid: Any = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    accepted: int = 0
+    drafted: int = 0
+    steps: int = 0
+    done: bool = False
+
+    def label(self) -> str:
+        return f"request {self.request_id!r}" if self.request_id else "request <no id>"
+
+    def outputs(self, new: list[int], final: bool, reason: str | None) -> dict[str, np.ndarray]:
+        if self.params.stream:
+            ctx = self.tokens[max(0, len(self.tokens) - len(new) - CONTEXT_WINDOW): len(self.tokens) - len(new)]
+        else:
+            new, ctx = self.tokens, []
+        return {
+            "output_ids": np.asarray(new, dtype=np.int32),
+            "context_ids": np.asarray(ctx, dtype=np.int32),
+            "is_final": np.asarray([final], dtype=bool),
+            "num_accepted": np.asarray([self.accepted], dtype=np.int32),
+            "num_drafted": np.asarray([self.drafted], dtype=np.int32),
+            "num_steps": np.asarray([self.steps], dtype=np.int32),
+            "finish_reason": np.asarray([(reason or "").encode()], dtype=np.object_),
+        }
+
+
+@dataclasses.dataclass
+class LoopStats:
+    steps: int = 0
+    active: int = 0
+    waiting: int = 0
+    requests_ok: int = 0
+    requests_failed: int = 0
+    requests_cancelled: int = 0
+    output_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_tokens: int = 0
+    verify_steps: int = 0
+    last_step_s: float = 0.0
+
+
+class EngineLoop:
+    """Owns the engine; only the loop thread touches it after `start()`."""
+
+    def __init__(self, engine: Any, *, max_active: int = 32, cancel_check_period_s: float = 0.02,
+                 idle_poll_s: float = 0.05, on_step: Callable[[LoopStats, list], None] | None = None,
+                 log: Callable[[str], None] | None = None):
+        self.engine = engine
+        self.max_active = max_active
+        self.cancel_check_period_s = cancel_check_period_s
+        self.idle_poll_s = idle_poll_s
+        self.on_step = on_step
+        self.log = log or (lambda msg: None)
+        self.stats = LoopStats()
+        self._inbox: "queue.Queue[Job]" = queue.Queue()
+        self._waiting: collections.deque[Job] = collections.deque()
+        self._active: dict[Any, Job] = {}
+        self._running = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_cancel_check = 0.0
+
+    # ---------------------------------------------------------------- public
+    def start(self) -> "EngineLoop":
+        self._running.set()
+        self._thread = threading.Thread(target=self._run, name="lilicorr-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def submit(self, job: Job) -> None:
+        if not self._running.is_set():
+            job.sink.send_error(UNAVAILABLE, f"{job.label()}: the engine is shutting down")
+            return
+        self._inbox.put(job)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._running.clear()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        # whatever is left gets a final answer
+        self._drain_inbox()
+        for job in list(self._waiting) + list(self._active.values()):
+            self._fail(job, UNAVAILABLE, f"{job.label()}: the server is shutting down")
+        self._waiting.clear()
+        self._active.clear()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---------------------------------------------------------------- loop
+    def _run(self) -> None:
+        while self._running.is_set():
+            try:
+                if not self._active and not self._waiting:
+                    try:
+                        self._waiting.append(self._inbox.get(timeout=self.idle_poll_s))
+                    except queue.Empty:
+                        continue
+                self._drain_inbox()
+                self._check_cancelled(force=False)
+                self._admit()
+                if self._active:
+                    self._step()
+            except Exception:  # a bug in the loop must not kill the server: fail what is active
+                msg = traceback.format_exc()
+                self.log(f"engine loop error: {msg}")
+                for job in list(self._active.values()):
+                    self._cancel_in_engine(job)
+                    self._fail(job, INTERNAL, f"{job.label()}: engine error: {msg.strip().splitlines()[-1]}")
+                self._active.clear()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._active) < self.max_active:
+            job = self._waiting.popleft()
+            p = job.params
+            try:
+                job.rid = self.engine.add_request(job.prompt_ids, p.max_tokens, rule=p.decode_rule,
+                                                  temperature=p.temperature, seed=p.seed)
+            except ValueError as e:
+                self._fail(job, INVALID_ARG, f"{job.label()}: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - reported to the client, server keeps serving
+                self.log(f"add_request failed: {traceback.format_exc()}")
+                self._fail(job, INTERNAL, f"{job.label()}: engine could not admit the request: {e}")
+                continue
+            self._active[job.rid] = job
+        self.stats.active, self.stats.waiting = len(self._active), len(self._waiting)
+
+    def _check_cancelled(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_cancel_check < self.cancel_check_period_s:
+            return
+        self._last_cancel_check = now
+        for job in list(self._waiting):
+            if self._is_cancelled(job):
+                self._waiting.remove(job)
+                self._finish_cancelled(job)
+        for rid, job in list(self._active.items()):
+            if self._is_cancelled(job):
+                del self._active[rid]
+                self._cancel_in_engine(job)
+                self._finish_cancelled(job)
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        events = self.engine.step()
+        self.stats.last_step_s = time.perf_counter() - t0
+        self.stats.steps += 1
+        for ev in events:
+            job = self._active.get(ev.rid)
+            if job is None:
+                continue
+            new = [int(t) for t in ev.new_tokens]
+            job.tokens.extend(new)
+            job.accepted += int(getattr(ev, "accepted", 0) or 0)
+            job.drafted += int(getattr(ev, "drafted", 0) or 0)
+            job.steps += 1
+            self.stats.output_tokens += len(new)
+            self.stats.accepted_tokens += int(getattr(ev, "accepted", 0) or 0)
+            self.stats.drafted_tokens += int(getattr(ev, "drafted", 0) or 0)
+            self.stats.verify_steps += 1
+            final = bool(ev.finished)
+            if final:
+                del self._active[ev.rid]
+            if not (final or (job.params.stream and new)):
+                continue
+            try:
+                job.sink.send(job.outputs(new, final, ev.finish_reason if final else None), final)
+            except Exception as e:  # noqa: BLE001 - the client is gone: free its sequence
+                self.log(f"{job.label()}: send failed ({e}); cancelling")
+                if not final:
+                    self._active.pop(ev.rid, None)
+                    self._cancel_in_engine(job)
+                    self._finish_cancelled(job, send=False)
+                continue
+            if final:
+                job.done = True
+                self.stats.requests_ok += 1
+        self.stats.active, self.stats.waiting = len(self._active), len(self._waiting)
+        if self.on_step is not None:
+            try:
+                self.on_step(self.stats, events)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                self.log(f"on_step hook failed: {traceback.format_exc()}")
+
+    # ---------------------------------------------------------------- helpers
+    def _is_cancelled(self, job: Job) -> bool:
+        try:
+            return bool(job.sink.is_cancelled())
+        except Exception:  # noqa: BLE001 - a closed sender counts as gone
+            return True
+
+    def _cancel_in_engine(self, job: Job) -> None:
+        if job.rid is None:
+            return
+        try:
+            self.engine.cancel(job.rid)
+        except Exception:  # noqa: BLE001
+            self.log(f"{job.label()}: engine.cancel failed: {traceback.format_exc()}")
+
+    def _finish_cancelled(self, job: Job, send: bool = True) -> None:
+        job.done = True
+        self.stats.requests_cancelled += 1
+        if send:
+            try:
+                job.sink.send_final()   # FINAL is still required after a cancellation
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _fail(self, job: Job, code: str, message: str) -> None:
+        job.done = True
+        self.stats.requests_failed += 1
+        try:
+            job.sink.send_error(code, message)
+        except Exception:  # noqa: BLE001
+            self.log(f"{job.label()}: could not send error: {traceback.format_exc()}")

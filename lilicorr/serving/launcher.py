@@ -1,0 +1,347 @@
+"""Start and stop a real Triton Inference Server for a generated model repository.
+
+Two binaries are supported, chosen by `find_tritonserver()`:
+
+* ``wheel``: the ``tritonserver`` 2.51 shipped inside the ``nvidia-pytriton`` wheel (CPU machines, CI).
+  Its Python backend needs a backend directory made of *symlinks* (copies break the bundled
+  ``$ORIGIN`` RPATH) holding ``libtriton_python.so``, ``triton_python_backend_utils.py`` and the
+  stub built for the running interpreter's Python version (``python_backend_stubs/3.X/``).
+* ``system``: a ``tritonserver`` found on PATH (NGC images); it keeps its own backend directory.
+
+How the stub process finds our virtual environment (verified, see tests/test_serving.py):
+the stub embeds libpython and, like any embedded interpreter, computes ``sys.prefix`` by looking
+for ``python3`` on PATH and reading the ``pyvenv.cfg`` next to it; PYTHONPATH is ignored. So the
+server is started with the running interpreter's ``bin/`` first on PATH (the venv's ``python3``)
+and ``LD_LIBRARY_PATH`` starting with ``sysconfig LIBDIR`` (the libpython the stub must load).
+The generated Python-model configs additionally carry ``EXECUTION_ENV_PATH`` = the venv (the
+backend then runs ``source <venv>/bin/activate`` before exec'ing the stub), which keeps working
+when the server's own environment is not ours (e.g. a server started by hand from a shell).
+
+Shutdown: SIGTERM, then ``--exit-timeout-secs`` for in-flight requests, then SIGKILL of the
+server's process group (the stubs are in it). Shared-memory regions use a per-launch prefix so
+leftovers of a killed server can be found and removed without touching anybody else's.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+SHM_BASE_PREFIX = "triton_python_backend_shm_region_"
+
+
+class ServerStartError(RuntimeError):
+    """The server exited or did not become ready; the message carries the log tail."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerBinary:
+    path: Path
+    kind: str                    # "wheel" | "system"
+    wheel_root: Path | None = None   # .../pytriton/tritonserver for kind == "wheel"
+
+
+def _wheel_root() -> Path | None:
+    import importlib.util
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        root = Path(loc) / "tritonserver"
+        if (root / "bin" / "tritonserver").exists():
+            return root
+    return None
+
+
+def find_tritonserver(prefer: str = "auto") -> ServerBinary:
+    """Locate a tritonserver binary. prefer: "auto" (wheel, then PATH), "wheel" or "system".
+
+    The environment variable LILICORR_TRITONSERVER=/path/to/tritonserver overrides both.
+    """
+    override = os.environ.get("LILICORR_TRITONSERVER")
+    if override:
+        return ServerBinary(Path(override), "system")
+    root = _wheel_root() if prefer in ("auto", "wheel") else None
+    if root is not None:
+        return ServerBinary(root / "bin" / "tritonserver", "wheel", root)
+    if prefer in ("auto", "system"):
+        found = shutil.which("tritonserver")
+        if found:
+            return ServerBinary(Path(found), "system")
+        for cand in ("/opt/tritonserver/bin/tritonserver",):
+            if os.access(cand, os.X_OK):
+                return ServerBinary(Path(cand), "system")
+    raise FileNotFoundError(
+        "no tritonserver found: install the serve extra (`pip install -e .[serve]`, which brings "
+        "nvidia-pytriton's bundled server) or run inside an NGC tritonserver image")
+
+
+def python_version_tag() -> str:
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def make_backend_dir(dest: str | os.PathLike, binary: ServerBinary) -> Path:
+    """Create ``dest/python/`` with symlinks to the wheel's Python backend and the matching stub.
+
+    Returns ``dest`` (to pass as --backend-directory). Only for the wheel's server.
+    """
+    if binary.kind != "wheel" or binary.wheel_root is None:
+        raise ValueError("make_backend_dir only applies to the nvidia-pytriton wheel's server")
+    src_backend = binary.wheel_root / "backends" / "python"
+    stub = binary.wheel_root / "python_backend_stubs" / python_version_tag() / "triton_python_backend_stub"
+    if not stub.exists():
+        raise FileNotFoundError(f"the wheel ships no Python backend stub for Python {python_version_tag()} ({stub})")
+    dest = Path(dest)
+    pydir = dest / "python"
+    pydir.mkdir(parents=True, exist_ok=True)
+    links = {
+        "libtriton_python.so": src_backend / "libtriton_python.so",
+        "triton_python_backend_utils.py": src_backend / "triton_python_backend_utils.py",
+        "triton_python_backend_stub": stub,
+    }
+    for name, target in links.items():
+        link = pydir / name
+        if link.is_symlink() or link.exists():
+            link.unlink()
+        os.symlink(target.resolve(), link)
+    return dest
+
+
+def venv_root() -> Path | None:
+    """The running interpreter's virtual environment (None for a bare interpreter)."""
+    if sys.prefix != getattr(sys, "base_prefix", sys.prefix) and (Path(sys.prefix) / "bin" / "activate").exists():
+        return Path(sys.prefix)
+    return None
+
+
+def python_bin_dir() -> Path:
+    """Folder whose ``python3`` the stub must find first on PATH: the venv's bin, else the interpreter's."""
+    root = venv_root()
+    if root is not None:
+        return root / "bin"
+    return Path(sys.executable).parent
+
+
+def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver so its Python stubs run the current interpreter and venv."""
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    ld = [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p and p != libdir]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join([libdir] + ld) if libdir else os.pathsep.join(ld)
+    bindir = str(python_bin_dir())
+    path = [p for p in env.get("PATH", "").split(os.pathsep) if p and p != bindir]
+    env["PATH"] = os.pathsep.join([bindir] + path)
+    env.pop("PYTHONHOME", None)       # would override the prefix computed from PATH
+    root = venv_root()
+    if root is not None:
+        env["VIRTUAL_ENV"] = str(root)
+    # one torch thread pool per stub is plenty on a shared CPU box; callers may override
+    env.setdefault("OMP_NUM_THREADS", str(max(1, min(os.cpu_count() or 1, 8))))
+    return env
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _free_ports(n: int, host: str) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        p = free_port(host)
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+def leftover_shm(prefix: str = SHM_BASE_PREFIX) -> list[str]:
+    return sorted(glob.glob(f"/dev/shm/{prefix}*"))
+
+
+class TritonServer:
+    """Context manager around one tritonserver process.
+
+    >>> with TritonServer("repo/") as srv:
+    ...     client = LiLiCorrClient(srv.grpc_url)
+
+    Ports default to free loopback ports. ``log_file=None`` captures the server log into the
+    launcher's temp folder (``srv.log_path``); pass ``log_file="-"`` to inherit stdout/stderr.
+    """
+
+    def __init__(self, model_repository: str | os.PathLike, *, host: str = "127.0.0.1",
+                 grpc_port: int | None = None, http_port: int | None = None,
+                 metrics_port: int | None = None, binary: ServerBinary | None = None,
+                 log_file: str | os.PathLike | None = None, log_verbose: int = 0,
+                 startup_timeout: float = 180.0, exit_timeout: int = 10,
+                 stub_timeout: int = 120, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, models: Sequence[str] | None = None):
+        self.model_repository = Path(model_repository).resolve()
+        self.host = host
+        self.binary = binary or find_tritonserver()
+        self._ports = (grpc_port, http_port, metrics_port)
+        self.log_file = log_file
+        self.log_verbose = log_verbose
+        self.startup_timeout = startup_timeout
+        self.exit_timeout = exit_timeout
+        self.stub_timeout = stub_timeout
+        self.extra_args = list(extra_args)
+        self.models = list(models) if models else None
+        self._env = env
+        self.proc: subprocess.Popen | None = None
+        self.workdir: Path | None = None
+        self.shm_prefix = f"{SHM_BASE_PREFIX}lilicorr_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
+        self.grpc_port = self.http_port = self.metrics_port = 0
+        self.log_path: Path | None = None
+        self._log_fh = None
+
+    # ------------------------------------------------------------------ urls
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.grpc_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.http_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.metrics_port}/metrics"
+
+    # ------------------------------------------------------------------ lifecycle
+    def command(self) -> list[str]:
+        assert self.workdir is not None
+        cmd = [str(self.binary.path), f"--model-repository={self.model_repository}"]
+        if self.binary.kind == "wheel":
+            backend_dir = make_backend_dir(self.workdir / "backends", self.binary)
+            cmd.append(f"--backend-directory={backend_dir}")
+        cmd += [
+            f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+            f"--http-address={self.host}", f"--http-port={self.http_port}",
+            f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=true",
+            "--pinned-memory-pool-byte-size=0", "--cuda-memory-pool-byte-size=0:0",
+            f"--exit-timeout-secs={self.exit_timeout}",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            f"--backend-config=python,stub-timeout-seconds={self.stub_timeout}",
+            f"--log-verbose={self.log_verbose}",
+        ]
+        if self.models is not None:
+            cmd.append("--model-control-mode=explicit")
+            cmd += [f"--load-model={m}" for m in self.models]
+        return cmd + self.extra_args
+
+    def start(self) -> "TritonServer":
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        self.workdir = Path(tempfile.mkdtemp(prefix="lilicorr-triton-"))
+        g, h, m = self._ports
+        auto = _free_ports(3, self.host)
+        self.grpc_port, self.http_port, self.metrics_port = g or auto[0], h or auto[1], m or auto[2]
+        if self.log_file == "-":
+            stdout = None
+        else:
+            self.log_path = Path(self.log_file) if self.log_file else self.workdir / "tritonserver.log"
+            self._log_fh = open(self.log_path, "ab")
+            stdout = self._log_fh
+        env = server_env(self._env)
+        # cwd = our temp folder: the stub puts '' first on sys.path, so a repo checkout as cwd
+        # would mask whether the venv's (editable) install is really what the stub imports
+        self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=env, stdout=stdout,
+                                     stderr=subprocess.STDOUT if stdout else None,
+                                     start_new_session=True)
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _http_status(self, path: str, timeout: float = 2.0) -> int:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}{path}", timeout=timeout) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            return e.code
+        except (urllib.error.URLError, ConnectionError, socket.timeout, OSError):
+            return 0
+
+    def is_live(self) -> bool:
+        return self._http_status("/v2/health/live") == 200
+
+    def is_ready(self) -> bool:
+        return self._http_status("/v2/health/ready") == 200
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        deadline = time.monotonic() + (timeout or self.startup_timeout)
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise ServerStartError(f"tritonserver exited with code {self.proc.returncode if self.proc else None}"
+                                       f"\n{self.log_tail()}")
+            if self.is_ready():
+                return
+            time.sleep(0.25)
+        raise ServerStartError(f"tritonserver not ready after {timeout or self.startup_timeout:.0f} s\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 60) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(server log not captured)"
+        lines = self.log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    def stop(self, timeout: float | None = None) -> int | None:
+        """SIGTERM, wait (exit timeout + margin), SIGKILL the process group; remove shm and temp dirs."""
+        rc = None
+        if self.proc is not None:
+            wait = timeout if timeout is not None else self.exit_timeout + 20
+            if self.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(signal.SIGTERM)
+                try:
+                    self.proc.wait(wait)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(self.proc.pid, signal.SIGKILL)
+                    self.proc.wait(10)
+            rc = self.proc.returncode
+            # stubs left behind by a killed server share its process group
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc = None
+        if self._log_fh is not None:
+            self._log_fh.close()
+            self._log_fh = None
+        for path in leftover_shm(self.shm_prefix):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if self.workdir is not None:
+            if self.log_path is not None and self.log_path.parent == self.workdir and self.proc is None:
+                # keep the log readable after stop for debugging: copy it next to the temp dir's parent
+                try:
+                    self.last_log = self.log_path.read_text(errors="replace")
+                except OSError:
+                    self.last_log = ""
+                self.log_path = None
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            self.workdir = None
+        return rc
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,337 @@
+"""The frozen target: one plain-PyTorch decoder for the Llama, Qwen2 and Qwen3 families.
+
+gpt-fast style: a config dataclass and one small module per concept. Differences between the
+families are config flags: Qwen2 has q/k/v biases, Qwen3 normalizes each head's q and k (before
+RoPE), embeddings are tied or not. q/k/v and gate/up projections are fused at load time (fewer,
+larger matmuls for CPU serving). Attention is `scaled_dot_product_attention` with an explicit
+boolean mask, so ragged rows and right padding work with or without a `KVCache`.
+
+`capture` returns the outputs of chosen decoder layers: layer id k is the output of layer k
+(0-based) = HF `hidden_states[k+1]` (DESIGN.md §4; the drafter's context features). As in HF, the
+last id (L-1) gives the state after the final norm.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .kv_cache import KVCache
+from .rope import RotaryEmbedding, apply_rotary, with_yarn
+
+__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "SUPPORTED_MODEL_TYPES"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+@dataclass
+class TargetConfig:
+    model_type: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 32
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False   # q/k/v bias (Qwen2 always)
+    o_bias: bool = False           # o_proj bias (Llama/Qwen3 with attention_bias)
+    mlp_bias: bool = False         # Llama's mlp_bias
+    qk_norm: bool = False          # Qwen3 per-head RMSNorm of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    pad_token_id: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "TargetConfig":
+        """Build from an HF config.json dict (transformers 4.x `rope_theta`/`rope_scaling` or 5.x
+        `rope_parameters`)."""
+        mt = d.get("model_type")
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported target model_type {mt!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r} (only silu / SwiGLU)")
+        if d.get("use_sliding_window"):
+            raise ValueError("sliding-window attention is not supported")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in d]
+        if missing:
+            raise ValueError(f"config.json lacks {missing}")
+        heads = d["num_attention_heads"]
+        rope = dict(d.get("rope_parameters") or {})
+        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        scaling = d.get("rope_scaling") or rope
+        kind = scaling.get("rope_type", scaling.get("type", "default")) if scaling else "default"
+        scaling = None if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"}
+        eos = d.get("eos_token_id")
+        bias = bool(d.get("attention_bias", False))
+        return cls(
+            model_type=mt, vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=True if mt == "qwen2" else bias,
+            o_bias=False if mt == "qwen2" else bias,
+            mlp_bias=bool(d.get("mlp_bias", False)) if mt == "llama" else False,
+            qk_norm=mt == "qwen3",
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_ids=[] if eos is None else ([eos] if isinstance(eos, int) else list(eos)),
+            pad_token_id=d.get("pad_token_id"),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike) -> "TargetConfig":
+        p = Path(path) / "config.json"
+        if not p.is_file():
+            raise FileNotFoundError(f"{p} not found: a target directory needs an HF config.json "
+                                    "(run train/prepare_target.py to make the default one)")
+        return cls.from_dict(json.loads(p.read_text()))
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor | None       # [N, T, V] float32
+    captured: torch.Tensor | None     # [N, T, n, H] outputs of the `capture` layers, in that order
+    last_hidden: torch.Tensor         # [N, T, H] after the final norm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q, kv = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        self.wqkv = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.attention_bias)  # fused q_proj|k_proj|v_proj
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+                cache: KVCache | None, layer: int, rows: Any, start: torch.Tensor | None, upto: int) -> torch.Tensor:
+        n, t, _ = x.shape
+        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
+                                      self.n_kv * self.head_dim], dim=-1)
+        q = q.view(n, t, self.n_head, self.head_dim)   # [N, T, hq, D]
+        k = k.view(n, t, self.n_kv, self.head_dim)     # [N, T, hkv, D]
+        v = v.view(n, t, self.n_kv, self.head_dim)     # [N, T, hkv, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is None:
+            k, v = k.transpose(1, 2), v.transpose(1, 2)          # [N, hkv, T, D]
+        else:
+            cache.write(layer, rows, k, v, start)
+            k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                           enable_gqa=self.n_kv != self.n_head)  # [N, hq, T, D]
+        return self.o_proj(y.transpose(1, 2).reshape(n, t, self.n_head * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)) with gate|up fused."""
+
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).split(self.inter, dim=-1)  # [N, T, I] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, *attn_args: Any) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
+
+    # ------------------------------------------------------------------ helpers
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Frozen input embedding: ids [...] -> [..., H]."""
+        return self.embed_tokens(ids)
+
+    def new_cache(self, num_slots: int, capacity: int = 256) -> KVCache:
+        """A KVCache shaped for this model (dtype/device of its weights)."""
+        c, w = self.config, self.embed_tokens.weight
+        return KVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim, capacity, w.dtype, w.device)
+
+    def set_rope(self, rope_scaling: dict[str, Any] | None, max_position_embeddings: int | None = None) -> None:
+        """Change rope scaling in place (e.g. YaRN at inference); the config is updated to match."""
+        self.config.rope_scaling = rope_scaling
+        if max_position_embeddings:
+            self.config.max_position_embeddings = max_position_embeddings
+        self.rotary.configure(self.config.rope_theta, rope_scaling, self.config.max_position_embeddings)
+
+    def enable_yarn(self, factor: float, original_max: int | None = None) -> None:
+        """Switch on YaRN (DESIGN.md §5) for inputs past the training length."""
+        c = with_yarn(self.config, factor, original_max)
+        self.set_rope(c.rope_scaling, c.max_position_embeddings)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
+                rows: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                capture: Sequence[int] = (), logits: bool = True) -> TargetOutput:
+        """input_ids, positions [N, T] long. With `cache`, row i attends to its cached keys and is
+        written at cache positions lengths[rows[i]] + t; afterwards lengths[rows] += valid (default T).
+        Without `cache`: causal self-attention over the given tokens only."""
+        n, t = input_ids.shape
+        device = input_ids.device
+        capture = list(capture)
+        bad = [k for k in capture if not 0 <= k < len(self.layers)]
+        if bad:
+            raise ValueError(f"capture layer ids {bad} outside [0, {len(self.layers)})")
+        x = self.embed_tokens(input_ids)                              # [N, T, H]
+        cos, sin = self.rotary(positions, x.dtype)                    # [N, T, D]
+        steps = torch.arange(t, device=device)
+        start, idx, upto = None, None, t
+        if cache is None:
+            mask = steps[None, :] <= steps[:, None]                   # [T, T] causal
+        else:
+            if rows is None:
+                raise ValueError("rows (cache slot of each row) are required with a cache")
+            rows = rows.to(device=cache.device, dtype=torch.long)
+            if rows.shape != (n,):
+                raise ValueError(f"rows must have shape [{n}], got {tuple(rows.shape)}")
+            start = cache.lengths[rows]                               # [N]
+            cache.reserve(rows, t)
+            upto = int(start.max()) + t
+            idx = cache.row_index(rows)
+            limit = start[:, None] + steps[None, :]                   # [N, T] last visible key
+            mask = (torch.arange(upto, device=device)[None, None, :] <= limit[:, :, None])[:, None]  # [N,1,T,S]
+        want = {k: None for k in capture}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, mask, cache, i, idx, start, upto)
+            if i in want:
+                want[i] = x
+        if cache is not None:
+            cache.advance(rows, t if valid is None else valid.to(cache.device))
+        h = self.norm(x)                                              # [N, T, H]
+        if len(self.layers) - 1 in want:  # HF's last hidden_states entry is taken after the final norm
+            want[len(self.layers) - 1] = h
+        captured = torch.stack([want[k] for k in capture], dim=2) if capture else None  # [N, T, n, H]
+        return TargetOutput(logits=self.lm_head(h).float() if logits else None, captured=captured, last_hidden=h)
+
+
+# ---------------------------------------------------------------------- loading
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(load_file(str(path / f)))
+    return sd
+
+
+def hf_to_native(sd: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, torch.Tensor]:
+    """Map an HF Llama/Qwen state dict to TargetModel's names (fusing q|k|v and gate|up)."""
+    sd = {k.removeprefix("model."): v for k, v in sd.items()}
+    out: dict[str, torch.Tensor] = {}
+
+    def take(key: str) -> torch.Tensor:
+        if key not in sd:
+            raise KeyError(f"checkpoint is missing tensor {key!r}")
+        return sd.pop(key)
+
+    out["embed_tokens.weight"] = take("embed_tokens.weight")
+    out["norm.weight"] = take("norm.weight")
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    else:
+        out["lm_head.weight"] = take("lm_head.weight")
+    for i in range(cfg.num_hidden_layers):
+        p, a = f"layers.{i}.", f"layers.{i}.self_attn."
+        for name in ("input_layernorm.weight", "post_attention_layernorm.weight"):
+            out[p + name] = take(p + name)
+        out[a + "wqkv.weight"] = torch.cat([take(a + f"{x}_proj.weight") for x in "qkv"])
+        if cfg.attention_bias:
+            out[a + "wqkv.bias"] = torch.cat([take(a + f"{x}_proj.bias") for x in "qkv"])
+        out[a + "o_proj.weight"] = take(a + "o_proj.weight")
+        if cfg.o_bias:
+            out[a + "o_proj.bias"] = take(a + "o_proj.bias")
+        if cfg.qk_norm:
+            out[a + "q_norm.weight"], out[a + "k_norm.weight"] = take(a + "q_norm.weight"), take(a + "k_norm.weight")
+        m = p + "mlp."
+        out[m + "gate_up.weight"] = torch.cat([take(m + "gate_proj.weight"), take(m + "up_proj.weight")])
+        out[m + "down_proj.weight"] = take(m + "down_proj.weight")
+        if cfg.mlp_bias:
+            out[m + "gate_up.bias"] = torch.cat([take(m + "gate_proj.bias"), take(m + "up_proj.bias")])
+            out[m + "down_proj.bias"] = take(m + "down_proj.bias")
+    leftover = [k for k in sd if "rotary_emb" not in k]
+    if leftover:
+        raise KeyError(f"checkpoint has tensors this {cfg.model_type} target does not use: {leftover[:5]}")
+    return out
+
+
+def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
+                yarn_factor: float | None = None) -> TargetModel:
+    """Load an HF folder (config.json + safetensors, single file or sharded) as a frozen TargetModel."""
+    path = Path(path)
+    cfg = TargetConfig.from_hf_dir(path)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    sd = {k: v.to(dtype) for k, v in hf_to_native(_read_safetensors(path), cfg).items()}
+    if cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = sd["embed_tokens.weight"]
+    with torch.device("meta"):  # no random init: every tensor comes from the checkpoint
+        model = TargetModel(cfg)
+    model.load_state_dict(sd, assign=True, strict=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model = model.to(device)
+    if yarn_factor:
+        model.enable_yarn(yarn_factor)
+    model.requires_grad_(False)
+    return model.eval()

