@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from dataclasses import dataclass
+
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -37,6 +39,19 @@ def target_fingerprint(target_cfg) -> dict:
             "num_hidden_layers": target_cfg.num_hidden_layers, "vocab_size": target_cfg.vocab_size}
 
 
+def check_writable(path) -> None:
+    """Refuse to overwrite something that is not a checkpoint directory (a save replaces `path`
+    whole, so an existing non-empty folder of other files would be deleted)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint path {path} exists and is not a directory")
+    if any(path.iterdir()) and not ((path / META).is_file() or (path / CONFIG).is_file()):
+        raise CheckpointError(f"refusing to write a checkpoint over {path}: it is a non-empty directory "
+                              f"that does not hold a checkpoint ({CONFIG}/{META} missing)")
+
+
 def atomic_dir(final: Path, fill) -> Path:
     """Create `final` by filling a sibling temp dir and renaming it into place (replacing an old one)."""
     final = Path(final)
@@ -45,9 +60,18 @@ def atomic_dir(final: Path, fill) -> Path:
     try:
         fill(tmp)
         if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
+            # unique sibling name (a stale one from a crashed run must not block the rename)
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            try:
+                os.replace(final, old)  # rename onto an empty directory is allowed on POSIX
+            except BaseException:
+                old.rmdir()
+                raise
+            try:
+                os.replace(tmp, final)
+            except BaseException:
+                os.replace(old, final)  # put the previous version back
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
@@ -59,7 +83,10 @@ def atomic_dir(final: Path, fill) -> Path:
 
 def save_checkpoint(path, cfg: LiLiCorrConfig, state_dict: dict, target_cfg, meta: dict,
                     optimizer_state: dict | None = None) -> Path:
-    """Write a checkpoint directory atomically. state_dict holds drafter.*/head.* tensors."""
+    """Write a checkpoint directory atomically. state_dict holds drafter.*/head.* tensors.
+    Refuses (CheckpointError) to replace a non-empty directory that is not a checkpoint."""
+    check_writable(path)
+
     def fill(tmp: Path):
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
         save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
@@ -80,8 +107,13 @@ def read_config(path) -> tuple[LiLiCorrConfig, dict]:
             raise CheckpointError(f"checkpoint {path} is incomplete: {name} is missing")
     try:
         doc = json.loads((path / CONFIG).read_text())
-        return LiLiCorrConfig.from_dict(doc["lilicorr"]), doc.get("target", {})
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        if not isinstance(doc, dict) or not isinstance(doc.get("lilicorr"), dict):
+            raise ValueError("expected an object with a 'lilicorr' section")
+        fingerprint = doc.get("target", {})
+        if not isinstance(fingerprint, dict):
+            raise ValueError("'target' is not an object")
+        return LiLiCorrConfig.from_dict(doc["lilicorr"]), fingerprint
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"checkpoint {path}: {CONFIG} is corrupt ({e})") from e
 
 
@@ -95,6 +127,8 @@ def check_target(path, fingerprint: dict, target_cfg) -> None:
 
 def load_state_dict(path) -> dict[str, torch.Tensor]:
     file = Path(path) / WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: {WEIGHTS} is missing")
     try:
         with safe_open(str(file), framework="pt") as f:
             return {k: f.get_tensor(k) for k in f.keys()}
@@ -122,7 +156,33 @@ def load_into(module: torch.nn.Module, state: dict[str, torch.Tensor], path) -> 
 
 
 def read_meta(path) -> dict:
-    return json.loads((Path(path) / META).read_text())
+    file = Path(path) / META
+    if not file.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: {META} is missing")
+    try:
+        meta = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupt ({e})") from e
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"checkpoint {path}: {META} is corrupt (not an object)")
+    return meta
+
+
+@dataclass
+class Checkpoint:
+    cfg: LiLiCorrConfig
+    state: dict[str, torch.Tensor]
+    meta: dict
+    target: dict                    # fingerprint of the target it was trained for
+
+
+def load_checkpoint(path, target_cfg=None) -> Checkpoint:
+    """Read a checkpoint directory (config, tensors, meta), checked against `target_cfg` if given.
+    Every failure is a CheckpointError that names the directory and the problem."""
+    cfg, fingerprint = read_config(path)
+    if target_cfg is not None:
+        check_target(path, fingerprint, target_cfg)
+    return Checkpoint(cfg, load_state_dict(path), read_meta(path), fingerprint)
 
 
 def file_sha256(path, chunk: int = 1 << 20) -> str:

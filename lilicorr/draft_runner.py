@@ -61,7 +61,7 @@ class TorchDraftRunner:
         """slots [N]; feats[i] [T_i, n, H] target features at positions start_pos[i] + t."""
         drafter = self.model.drafter
         x, valid = pad_ragged(feats)                                            # [N, T, n, H]
-        pos = start_pos[:, None] + torch.arange(x.shape[1])[None, :]           # [N, T]
+        pos = start_pos[:, None] + torch.arange(x.shape[1], device=start_pos.device)[None, :]  # [N, T]
         kv = drafter.context_kv(drafter.project_context(x), pos)               # per layer [N, h, T, D]
         self.cache.reserve(slots, x.shape[1])
         start = self.cache.lengths[slots]
@@ -76,7 +76,7 @@ class TorchDraftRunner:
         model, b = self.model, self.block_size
         with stage(STAGE_DRAFT):
             emb = model.drafter.block_embeddings(anchors[:, None], b)          # [N, B, H]
-            pos = anchor_pos[:, None] + torch.arange(b)[None, :]               # [N, B]
+            pos = anchor_pos[:, None] + torch.arange(b, device=anchor_pos.device)[None, :]  # [N, B]
             lengths = self.cache.lengths[slots]
             upto = int(lengths.max())
             idx = self.cache.row_index(slots)
@@ -94,14 +94,14 @@ def _propose_mixed(model: LiLiCorrModel, slot_hidden, slot_logits, target_state,
     """Apply each row's decode rule; the head runs once for every row that needs it."""
     n, s = slot_logits.shape[:2]
     k = model.cfg.head.top_k
-    tokens = torch.empty(n, s, dtype=torch.long)
+    tokens = torch.empty(n, s, dtype=torch.long, device=slot_logits.device)
     cand_ids = torch.topk(slot_logits, k, dim=-1).indices                      # [N, S, K]
     tokens[:] = cand_ids[..., 0]                                               # argmax rule
     need = [i for i, r in enumerate(rules) if r in ("lilicorr", "viterbi")]
     if need:
         if model.head is None:
             raise ValueError("decode rules lilicorr/viterbi need a LiLiCorr head; this checkpoint is vanilla DFlash")
-        sel = torch.tensor(need)
+        sel = torch.tensor(need, device=slot_logits.device)
         for rule in ("lilicorr", "viterbi"):
             rows = [j for j, i in enumerate(need) if rules[i] == rule]
             if not rows:

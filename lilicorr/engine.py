@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,6 +49,7 @@ class Result:
     oracle_accepted: int         # same with a perfect reranker over the drafter's top-K pools
     slot_reached: list[int]      # per slot: steps in which the slot was verified
     slot_accepted: list[int]     # per slot: steps in which the slot's draft was accepted
+    accept_hist: list[int] = field(default_factory=list)  # [B+1]: steps that committed k tokens (k=1..B)
 
     @property
     def tau(self) -> float:
@@ -76,7 +78,13 @@ class _Seq:
     oracle: int = 0
     slot_reached: list[int] = field(default_factory=list)
     slot_accepted: list[int] = field(default_factory=list)
+    accept_hist: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # oracle bookkeeping: `truth` is the prompt plus every token verification produced (also those
+    # cut off by max_tokens or after a stop token); `open_pools` holds (anchor position, per-slot
+    # candidate pools) of steps whose oracle prefix is not settled yet (truth not known far enough)
+    truth: list[int] = field(default_factory=list)
+    open_pools: list = field(default_factory=list)
 
     @property
     def anchor_pos(self) -> int:
@@ -93,6 +101,7 @@ class SpecEngine:
         self.max_seq_len = min(max_seq_len, limit) if limit else max_seq_len
         self.block_size = runner.block_size if runner is not None else 1
         self.capture = list(runner.model.cfg.drafter.target_layer_ids) if runner is not None else []
+        self.device = target.embed_tokens.weight.device
         self.cache = target.new_cache(max_batch, capacity=min(256, self.max_seq_len + self.block_size))
         self.vocab_size = target.config.vocab_size
         self._seqs: dict[int, _Seq] = {}
@@ -114,7 +123,8 @@ class SpecEngine:
         runner = None
         if engine_dir is not None:
             from lilicorr.engine_dir import make_runner  # written by the converter stage
-            runner = make_runner(Path(engine_dir), target, num_slots=max_batch, backend=draft_backend)
+            runner = make_runner(Path(engine_dir), target, num_slots=max_batch, backend=draft_backend,
+                                 target_dir=target_dir)
         elif ckpt_dir is not None:
             from lilicorr.draft_runner import TorchDraftRunner
             runner = TorchDraftRunner(load_model(ckpt_dir, target), max_batch)
@@ -124,12 +134,19 @@ class SpecEngine:
         return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len)
 
     # -- requests ------------------------------------------------------------------------------
-    def add_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
-                    seed: int | None = None, stop_ids=None) -> int:
-        """Validate and queue a request (prefilled at the next step). Raises ValueError on bad input."""
-        prompt = [int(t) for t in prompt_ids]
+    def check_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
+                      seed: int | None = None, stop_ids=None) -> tuple[list[int], int, float, frozenset]:
+        """Validate one request without touching any state; returns the normalised
+        (prompt, max_tokens, temperature, stop_ids). Raises ValueError with the reason."""
+        if isinstance(prompt_ids, (str, bytes)):
+            raise ValueError("prompt must be a list of token ids, not a string (tokenize it first)")
+        try:
+            prompt = [operator.index(t) for t in prompt_ids]
+        except TypeError:
+            raise ValueError("prompt must be a sequence of integer token ids, got "
+                             f"{type(prompt_ids).__name__} {str(prompt_ids)[:60]}") from None
         if not prompt:
-            raise ValueError("empty prompt")
+            raise ValueError("empty prompt: a request needs at least one token")
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token ids {bad[:5]} outside the vocabulary [0, {self.vocab_size})")
@@ -139,29 +156,58 @@ class SpecEngine:
             raise ValueError(f"rule {rule!r} needs a drafter; this engine has none (only 'ar')")
         if rule in ("lilicorr", "viterbi") and not self.runner.has_head:
             raise ValueError(f"rule {rule!r} needs a LiLiCorr head; this checkpoint is vanilla DFlash")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens <= 0:
+        if isinstance(max_tokens, bool):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
-        temperature = float(temperature)
+        try:
+            max_tokens = operator.index(max_tokens)
+        except TypeError:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}") from None
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+        try:
+            temperature = float(temperature)
+        except (TypeError, ValueError):
+            raise ValueError(f"temperature must be a finite number >= 0, got {temperature!r}") from None
         if math.isnan(temperature) or temperature < 0 or math.isinf(temperature):
             raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {seed!r}")
+        try:
+            stops = frozenset(operator.index(t) for t in (stop_ids or ()))
+        except TypeError:
+            raise ValueError(f"stop_ids must be integer token ids, got {stop_ids!r}") from None
         room = self.max_seq_len - self.block_size - 1
         if len(prompt) > room:
             raise ValueError(f"prompt of {len(prompt)} tokens is longer than the context allows ({room})")
         if len(prompt) + max_tokens > room + 1:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({max_tokens}) exceeds the context "
                              f"({self.max_seq_len} incl. a block of {self.block_size})")
+        return prompt, max_tokens, temperature, stops
+
+    def add_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
+                    seed: int | None = None, stop_ids=None) -> int:
+        """Validate and queue a request (prefilled at the next step). Raises ValueError on bad input
+        (nothing is allocated then) and RuntimeError when every slot is taken."""
+        prompt, max_tokens, temperature, stops = self.check_request(prompt_ids, max_tokens, rule, temperature,
+                                                                    seed, stop_ids)
         if len(self._seqs) >= self.max_batch:
             raise RuntimeError(f"engine is full ({self.max_batch} active sequences)")
         gen = None
         if temperature > 0:
             gen = torch.Generator().manual_seed(seed if seed is not None else torch.seed())
         rid = next(self._ids)
-        s = _Seq(rid, prompt, max_tokens, rule, temperature, gen, frozenset(stop_ids or ()))
+        s = _Seq(rid, prompt, max_tokens, rule, temperature, gen, stops)
         s.tslot = self.cache.allocate()
         if rule != "ar":
-            s.dslot = self.runner.allocate()
+            try:
+                s.dslot = self.runner.allocate()
+            except BaseException:
+                self.cache.free(s.tslot)
+                raise
         s.slot_reached = [0] * (self.block_size - 1)
         s.slot_accepted = [0] * (self.block_size - 1)
+        s.accept_hist = [0] * (self.block_size + 1)
+        s.truth = list(prompt)
         self._seqs[rid] = s
         return rid
 
@@ -179,11 +225,15 @@ class SpecEngine:
         self.cache.free(s.tslot)
         if s.dslot >= 0:
             self.runner.free(s.dslot)
+        s.pending = s.state = None
 
     # -- stepping ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> list[StepEvent]:
-        """Prefill new requests, then one speculative (or AR) step for every other active one."""
+        """Prefill new requests, then one speculative (or AR) step for every other active one.
+
+        One engine step over the running rows is one `block` for the stage timer (its stages add
+        up to the block's wall time); prefill is not part of a block."""
         events: list[StepEvent] = []
         fresh = [s for s in self._seqs.values() if not s.prefilled]
         running = [s for s in self._seqs.values() if s.prefilled]
@@ -192,31 +242,34 @@ class SpecEngine:
                 events += self._prefill(fresh)
         spec = [s for s in running if s.rule != "ar"]
         ar = [s for s in running if s.rule == "ar"]
-        if spec:
+        if spec or ar:
             with stage(BLOCK):
-                events += self._spec_step(spec)
-        if ar:
-            with nvtx_range("engine/ar_step"):
-                events += self._ar_step(ar)
+                if spec:
+                    events += self._spec_step(spec)
+                if ar:
+                    with nvtx_range("engine/ar_step"):
+                        events += self._ar_step(ar)
         for ev in events:
             if ev.finished:
                 s = self._seqs.pop(ev.rid)
                 self._release(s)
+                self._settle_oracle(s, final=True)
                 if self.keep_results:
                     self._finished[ev.rid] = s
         return events
 
     def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
-        n = len(seqs)
-        lens = torch.tensor([len(s.prompt) for s in seqs])
+        n, dev = len(seqs), self.device
+        lens = torch.tensor([len(s.prompt) for s in seqs], device=dev)
         t = int(lens.max())
         ids = torch.zeros(n, t, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s.prompt)] = torch.tensor(s.prompt)
-        pos = torch.arange(t).expand(n, t)
-        rows = torch.tensor([s.tslot for s in seqs])
-        out = self.target(ids, pos, cache=self.cache, rows=rows, valid=lens, capture=self.capture, logits=False)
-        last = out.last_hidden[torch.arange(n), lens - 1]                     # [N, H]
+        pos = torch.arange(t, device=dev).expand(n, t)
+        rows = torch.tensor([s.tslot for s in seqs], device=dev)
+        capture = self.capture if any(s.rule != "ar" for s in seqs) else []
+        out = self.target(ids.to(dev), pos, cache=self.cache, rows=rows, valid=lens, capture=capture, logits=False)
+        last = out.last_hidden[torch.arange(n, device=dev), lens - 1]          # [N, H]
         logits = self.target.lm_head(last).float()                             # [N, V]
         events = []
         for i, s in enumerate(seqs):
@@ -230,79 +283,84 @@ class SpecEngine:
         return events
 
     def _spec_step(self, seqs: list[_Seq]) -> list[StepEvent]:
-        b = self.block_size
-        n = len(seqs)
-        dslots = torch.tensor([s.dslot for s in seqs])
+        b, dev = self.block_size, self.device
         with stage(STAGE_DRAFT):
+            dslots = torch.tensor([s.dslot for s in seqs], device=dev)
             pend = [(i, s) for i, s in enumerate(seqs) if s.pending is not None and len(s.pending)]
             if pend:
                 self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
-                                           torch.tensor([s.pending_pos for _, s in pend]))
+                                           torch.tensor([s.pending_pos for _, s in pend], device=dev))
                 for _, s in pend:
                     s.pending = None
-        anchors = torch.tensor([s.anchor for s in seqs])
-        apos = torch.tensor([s.anchor_pos for s in seqs])
-        state = torch.stack([s.state for s in seqs])                          # [N, n, H]
+            anchors = torch.tensor([s.anchor for s in seqs], device=dev)
+            apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
+            state = torch.stack([s.state for s in seqs])                      # [N, n, H]
         prop = self.runner.draft(dslots, anchors, apos, state, [s.rule for s in seqs])
-        block = torch.cat([anchors[:, None], prop.tokens], dim=1)              # [N, B]
         with stage(STAGE_VERIFY):
-            rows = torch.tensor([s.tslot for s in seqs])
-            pos = apos[:, None] + torch.arange(b)[None, :]
+            block = torch.cat([anchors[:, None], prop.tokens.to(dev)], dim=1)  # [N, B]
+            rows = torch.tensor([s.tslot for s in seqs], device=dev)
+            pos = apos[:, None] + torch.arange(b, device=dev)[None, :]
             out = self.target(block, pos, cache=self.cache, rows=rows, capture=self.capture)
         events = []
         with stage(STAGE_ACCEPT):
             logits = out.logits                                               # [N, B, V]
-            greedy = logits.argmax(-1)                                         # [N, B]
+            greedy = logits.argmax(-1).cpu()                                  # [N, B]
+            drafted = prop.tokens.cpu()                                        # [N, S]
+            pools = prop.cand_ids.cpu()                                        # [N, S, K]
+            new_len = []
             for i, s in enumerate(seqs):
-                drafts = prop.tokens[i].tolist()
+                drafts = drafted[i].tolist()
                 if s.temperature > 0:
                     a, bonus = self._reject_sample(logits[i], drafts, s)
                 else:
-                    match = (prop.tokens[i] == greedy[i, :-1]).long().cumprod(0)
+                    match = (drafted[i] == greedy[i, :-1]).long().cumprod(0)
                     a = int(match.sum())
                     bonus = int(greedy[i, a])
-                # oracle: a perfect reranker over the pools accepts while the target token is pooled
-                pooled = (prop.cand_ids[i] == greedy[i, :-1, None]).any(-1).long().cumprod(0)
-                s.oracle += int(pooled.sum()) + 1
+                # oracle: settled against the target's own continuation once it is known
+                s.open_pools.append((s.anchor_pos, pools[i].tolist()))
                 for j in range(min(a + 1, b - 1)):
                     s.slot_reached[j] += 1
                 for j in range(a):
                     s.slot_accepted[j] += 1
+                s.accept_hist[a + 1] += 1
                 # roll the target cache back to anchor + accepted drafts (bonus not yet run)
-                self.cache.truncate(rows[i:i + 1], torch.tensor([s.anchor_pos + a + 1]))
+                new_len.append(s.anchor_pos + a + 1)
                 s.pending = out.captured[i, : a + 1].clone()                   # [a+1, n, H]
                 s.pending_pos = s.anchor_pos
                 s.state = out.captured[i, a].clone()
                 s.steps += 1
                 events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=b - 1))
+                self._settle_oracle(s)
+            self.cache.truncate(rows, torch.tensor(new_len, device=dev))
         return events
 
     def _ar_step(self, seqs: list[_Seq]) -> list[StepEvent]:
-        n = len(seqs)
-        ids = torch.tensor([[s.anchor] for s in seqs])
-        pos = torch.tensor([[s.anchor_pos] for s in seqs])
-        rows = torch.tensor([s.tslot for s in seqs])
+        dev = self.device
         with stage(STAGE_VERIFY):
+            ids = torch.tensor([[s.anchor] for s in seqs], device=dev)
+            pos = torch.tensor([[s.anchor_pos] for s in seqs], device=dev)
+            rows = torch.tensor([s.tslot for s in seqs], device=dev)
             out = self.target(ids, pos, cache=self.cache, rows=rows)
         events = []
-        for i, s in enumerate(seqs):
-            tok = self._sample(out.logits[i, 0], s)
-            s.steps += 1
-            events.append(self._commit(s, [tok], accepted=1, drafted=0))
+        with stage(STAGE_ACCEPT):
+            for i, s in enumerate(seqs):
+                tok = self._sample(out.logits[i, 0], s)
+                s.steps += 1
+                events.append(self._commit(s, [tok], accepted=1, drafted=0))
         return events
 
     # -- acceptance ----------------------------------------------------------------------------
     def _sample(self, logits: torch.Tensor, s: _Seq) -> int:
         if s.temperature <= 0:
             return int(logits.argmax())
-        p = torch.softmax(logits.float() / s.temperature, -1)
+        p = torch.softmax(logits.float().cpu() / s.temperature, -1)
         return int(torch.multinomial(p, 1, generator=s.generator))
 
     def _reject_sample(self, logits: torch.Tensor, drafts: list[int], s: _Seq) -> tuple[int, int]:
         """Exact rejection sampling for a deterministic proposal (DESIGN.md §5): accept x_i with
         probability p_i(x_i); on rejection sample from p_i without x_i (renormalised); if every
         draft is accepted the bonus comes from p_B. Preserves the target distribution."""
-        probs = torch.softmax(logits.float() / s.temperature, -1)              # [B, V]
+        probs = torch.softmax(logits.float().cpu() / s.temperature, -1)        # [B, V]
         for i, x in enumerate(drafts):
             u = float(torch.rand((), generator=s.generator))
             if u < float(probs[i, x]):
@@ -319,6 +377,7 @@ class SpecEngine:
         """Append tokens, apply stop tokens and max_tokens; returns the step's event."""
         if count_step:
             s.accepted += accepted
+        s.truth.extend(new)           # the target's continuation, also past a stop / max_tokens
         room = s.max_tokens - len(s.tokens)
         reason = None
         out = []
@@ -334,11 +393,37 @@ class SpecEngine:
         s.finish_reason = reason
         return StepEvent(s.rid, out, reason is not None, reason, accepted, drafted)
 
+    @staticmethod
+    def _settle_oracle(s: _Seq, final: bool = False) -> None:
+        """Oracle acceptance (DESIGN.md §6, the oracle prefix of §3.3): for each verify step, the
+        longest leading run of slots whose pool holds the target's own next token, plus the
+        bonus token. The target's continuation beyond the first rejected slot is only known later
+        (it is what the sequence goes on to commit; exact under greedy verification, the sampled
+        continuation at T > 0), so a step is settled once its run ends or, at the finish, with what
+        is known by then."""
+        keep = []
+        truth = s.truth
+        for pos, pools in s.open_pools:
+            run, done = 0, True
+            for j, pool in enumerate(pools):
+                q = pos + 1 + j
+                if q >= len(truth):
+                    done = False
+                    break
+                if truth[q] not in pool:
+                    break
+                run += 1
+            if done or final:
+                s.oracle += run + 1
+            else:
+                keep.append((pos, pools))
+        s.open_pools = keep
+
     # -- convenience ---------------------------------------------------------------------------
     def result(self, rid: int) -> Result:
         s = self._finished.get(rid) or self._seqs[rid]
         return Result(s.rid, len(s.prompt), list(s.tokens), s.finish_reason or "running", s.steps,
-                      s.accepted, s.oracle, list(s.slot_reached), list(s.slot_accepted))
+                      s.accepted, s.oracle, list(s.slot_reached), list(s.slot_accepted), list(s.accept_hist))
 
     def pop_result(self, rid: int) -> Result:
         r = self.result(rid)
@@ -347,16 +432,30 @@ class SpecEngine:
 
     def generate(self, prompts: list[list[int]], max_tokens, rule: str = "lilicorr", temperature: float = 0.0,
                  seed: int | None = None, stop_ids=None, progress=None) -> list[Result]:
-        """Run prompts to completion with continuous batching (at most max_batch at a time)."""
-        max_list = max_tokens if isinstance(max_tokens, (list, tuple)) else [max_tokens] * len(prompts)
+        """Run prompts to completion with continuous batching (at most max_batch at a time).
+        Every request is validated before any is queued (ValueError names the prompt); request i
+        gets seed `seed + i`."""
+        if isinstance(max_tokens, (list, tuple)):
+            if len(max_tokens) != len(prompts):
+                raise ValueError(f"{len(max_tokens)} max_tokens values for {len(prompts)} prompts")
+            max_list = list(max_tokens)
+        else:
+            max_list = [max_tokens] * len(prompts)
+        for i, p in enumerate(prompts):
+            try:
+                self.check_request(p, max_list[i], rule, temperature, None if seed is None else seed + i, stop_ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
         queue = list(enumerate(prompts))
         rid_of: dict[int, int] = {}
-        while queue or self._seqs:
+        mine: set[int] = set()
+        while queue or any(r in self._seqs for r in mine):
             while queue and len(self._seqs) < self.max_batch:
                 i, p = queue.pop(0)
                 rid_of[i] = self.add_request(p, max_list[i], rule=rule, temperature=temperature,
                                              seed=None if seed is None else seed + i, stop_ids=stop_ids)
+                mine.add(rid_of[i])
             for ev in self.step():
-                if progress is not None:
+                if progress is not None and ev.rid in mine:
                     progress(len(ev.new_tokens))
         return [self.pop_result(rid_of[i]) for i in range(len(prompts))]

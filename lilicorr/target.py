@@ -221,29 +221,23 @@ class TargetModel(nn.Module):
         written at cache positions lengths[rows[i]] + t; afterwards lengths[rows] += valid (default T).
         Without `cache`: causal self-attention over the given tokens only."""
         n, t = input_ids.shape
-        device = input_ids.device
         capture = list(capture)
         bad = [k for k in capture if not 0 <= k < len(self.layers)]
         if bad:
             raise ValueError(f"capture layer ids {bad} outside [0, {len(self.layers)})")
         x = self.embed_tokens(input_ids)                              # [N, T, H]
         cos, sin = self.rotary(positions, x.dtype)                    # [N, T, D]
-        steps = torch.arange(t, device=device)
-        start, idx, upto = None, None, t
-        if cache is None:
-            mask = steps[None, :] <= steps[:, None]                   # [T, T] causal
-        else:
+        start, idx = None, None
+        if cache is not None:
             if rows is None:
                 raise ValueError("rows (cache slot of each row) are required with a cache")
             rows = rows.to(device=cache.device, dtype=torch.long)
             if rows.shape != (n,):
                 raise ValueError(f"rows must have shape [{n}], got {tuple(rows.shape)}")
-            start = cache.lengths[rows]                               # [N]
+            start = cache.lengths[rows]                               # [N] keys already cached
             cache.reserve(rows, t)
-            upto = int(start.max()) + t
             idx = cache.row_index(rows)
-            limit = start[:, None] + steps[None, :]                   # [N, T] last visible key
-            mask = (torch.arange(upto, device=device)[None, None, :] <= limit[:, :, None])[:, None]  # [N,1,T,S]
+        mask, upto = attention_mask(start, t, x.dtype, input_ids.device)
         want = {k: None for k in capture}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, idx, start, upto)
@@ -256,6 +250,20 @@ class TargetModel(nn.Module):
             want[len(self.layers) - 1] = h
         captured = torch.stack([want[k] for k in capture], dim=2) if capture else None  # [N, T, n, H]
         return TargetOutput(logits=self.lm_head(h).float() if logits else None, captured=captured, last_hidden=h)
+
+
+def attention_mask(start: torch.Tensor | None, t: int, dtype: torch.dtype,
+                   device: torch.device) -> tuple[torch.Tensor, int]:
+    """Additive mask for T new tokens per row. start=None: causal [T, T]. Else start [N] cached keys
+    per row: query t of row i sees keys j <= start[i] + t -> [N, 1, T, S], S = max(start) + T."""
+    steps = torch.arange(t, device=device)
+    if start is None:
+        allowed, upto = steps[None, :] <= steps[:, None], t                          # [T, T]
+    else:
+        upto = int(start.max()) + t
+        limit = start.to(device)[:, None] + steps[None, :]                            # [N, T]
+        allowed = (torch.arange(upto, device=device)[None, None, :] <= limit[:, :, None])[:, None]  # [N,1,T,S]
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")), upto
 
 
 # ---------------------------------------------------------------------- loading

@@ -37,13 +37,18 @@ class DistInfo:
         return self.world > 1
 
 
-def init_distributed() -> DistInfo:
-    """torchrun sets WORLD_SIZE/RANK; gloo on CPU, nccl on GPU."""
+def init_distributed(device: str | torch.device | None = None) -> DistInfo:
+    """torchrun sets WORLD_SIZE/RANK/LOCAL_RANK; nccl when training on CUDA, gloo on CPU."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistInfo()
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     return DistInfo(dist.get_rank(), dist.get_world_size())
 
 
@@ -73,23 +78,28 @@ class TrainState:
 
 class Trainer:
     def __init__(self, cfg: LiLiCorrConfig, target, sequences, out_dir, pad_id: int,
-                 dist_info: DistInfo | None = None, micro_batch: int = 0, autocast_bf16: bool = False):
+                 dist_info: DistInfo | None = None, micro_batch: int = 0, autocast_bf16: bool = False,
+                 features=None):
         self.cfg, self.target, self.sequences = cfg, target, sequences
         self.out_dir, self.pad_id = Path(out_dir), pad_id
         self.dist = dist_info or DistInfo()
         tc = cfg.train
         if tc.global_batch % self.dist.world:
             raise ValueError(f"global batch {tc.global_batch} is not divisible by {self.dist.world} ranks")
+        if len(sequences) < self.dist.world:
+            raise ValueError(f"{len(sequences)} training sequence(s) cannot feed {self.dist.world} ranks")
+        self.device = target.embed_tokens.weight.device        # train where the target lives
         self.per_rank = tc.global_batch // self.dist.world
         self.micro_batch = micro_batch or self.per_rank
         torch.manual_seed(tc.seed)                               # identical init on every rank
-        self.model = LiLiCorrModel(cfg, target)
+        self.model = LiLiCorrModel(cfg, target).to(self.device)
         self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg), betas=(0.9, 0.95), eps=1e-8)
         steps_per_epoch = max(1, len(sequences) // tc.global_batch)
         self.total_steps = tc.max_steps or steps_per_epoch * tc.epochs
         self.steps_per_epoch = steps_per_epoch
         self.state = TrainState()
         self.autocast_bf16 = autocast_bf16
+        self.features = features          # optional FeatureStore: skips the target forward
 
     # -- data order: a function of (seed, epoch) only, so resume and world size don't change it --
     def batch_indices(self, step: int) -> list[int]:
@@ -113,8 +123,12 @@ class Trainer:
             chunk = mine[lo:lo + self.micro_batch]
             ids, mask, _ = collate([self.sequences[i] for i in chunk], self.pad_id)
             anchors, valid = sample_anchors(mask, self.cfg.train.num_anchors, self.anchor_generators(step, chunk))
+            ids, mask, anchors, valid = (x.to(self.device) for x in (ids, mask, anchors, valid))
+            feats = None
+            if self.features is not None:
+                feats = tuple(f.to(self.device) for f in self.features.batch(chunk, ids.shape[1]))
             with nvtx_range("train/forward"), torch.autocast("cuda", torch.bfloat16, enabled=self.autocast_bf16):
-                outs.append(training_forward(self.model, self.target, ids, mask, anchors, valid))
+                outs.append(training_forward(self.model, self.target, ids, mask, anchors, valid, feats))
         counts = self._global_counts(outs)
         parts_sum: dict[str, float] = {}
         with nvtx_range("train/backward"):
@@ -141,7 +155,8 @@ class Trainer:
     def _global_counts(self, outs) -> dict:
         dw = sum(o.terms.dflash_weight.detach() for o in outs)
         ns = sum(o.terms.num_supervised.detach() for o in outs)
-        counts = torch.stack([torch.as_tensor(dw, dtype=torch.float32), torch.as_tensor(ns, dtype=torch.float32)])
+        counts = torch.stack([torch.as_tensor(dw, dtype=torch.float32, device=self.device),
+                              torch.as_tensor(ns, dtype=torch.float32, device=self.device)])
         if self.dist.enabled:
             dist.all_reduce(counts)
         return {"dflash_weight": counts[0], "num_supervised": counts[1]}
@@ -157,7 +172,7 @@ class Trainer:
     def _all_sum(self, value: float) -> float:
         if not self.dist.enabled:
             return value
-        t = torch.tensor([value], dtype=torch.float64)
+        t = torch.tensor([value], dtype=torch.float64, device=self.device)
         dist.all_reduce(t)
         return float(t)
 
@@ -199,10 +214,11 @@ class Trainer:
         if not opt_file.exists():
             raise ckpt_io.CheckpointError(f"checkpoint {path} has no optimizer state; cannot resume")
         try:
-            opt = torch.load(opt_file, weights_only=False)
+            opt = torch.load(opt_file, map_location="cpu", weights_only=False)
+            self.optimizer.load_state_dict(opt["optimizer"])
+            rng, step = opt["rng"], int(opt["step"])
         except Exception as e:
             raise ckpt_io.CheckpointError(f"checkpoint {path}: {ckpt_io.OPTIMIZER} is corrupt ({e})") from e
-        self.optimizer.load_state_dict(opt["optimizer"])
-        torch.set_rng_state(opt["rng"])
-        self.state = TrainState(step=opt["step"], history=ckpt_io.read_meta(path).get("history", []))
+        torch.set_rng_state(rng)
+        self.state = TrainState(step=step, history=ckpt_io.read_meta(path).get("history", []))
         return True

@@ -91,28 +91,35 @@ class StepOutput:
 
 
 def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask: torch.Tensor,
-                     anchors: torch.Tensor, valid: torch.Tensor) -> StepOutput:
-    """ids/loss_mask [N, T], anchors/valid [N, A] -> loss terms and metric sums."""
+                     anchors: torch.Tensor, valid: torch.Tensor,
+                     features: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
+    """ids/loss_mask [N, T], anchors/valid [N, A] -> loss terms and metric sums.
+
+    features: precomputed (captured [N, T, n, H], last_hidden [N, T, H]) from a FeatureStore;
+    None runs the frozen target here. Inputs must be on the model's device (the trainer moves them)."""
     cfg = model.cfg
+    dev = ids.device
     b, s, k = cfg.drafter.block_size, cfg.drafter.block_size - 1, cfg.head.top_k
     n, t = ids.shape
     a = anchors.shape[1]
-    positions = torch.arange(t).expand(n, t)
-    with torch.no_grad():
-        tout = target(ids, positions, capture=cfg.drafter.target_layer_ids, logits=False)
-    captured, last_hidden = tout.captured, tout.last_hidden              # [N, T, n, H], [N, T, H]
+    positions = torch.arange(t, device=dev).expand(n, t)
+    if features is None:
+        with torch.no_grad():
+            tout = target(ids, positions, capture=cfg.drafter.target_layer_ids, logits=False)
+        features = (tout.captured, tout.last_hidden)
+    captured, last_hidden = features                                     # [N, T, n, H], [N, T, H]
 
     drafter = model.drafter
     ctx_kv = drafter.context_kv(drafter.project_context(captured), positions)
     block_emb = drafter.block_embeddings(ids.gather(1, anchors), b)      # [N, A*B, H]
-    offs = torch.arange(b)
+    offs = torch.arange(b, device=dev)
     block_pos = (anchors[:, :, None] + offs).reshape(n, a * b)           # [N, A*B]
     mask = block_attention_mask(anchors, valid, t, b)
     hidden = drafter(block_emb, block_pos, ctx_kv, mask)                 # [N, A*B, H]
 
     sel = valid.flatten()                                                # keep real blocks only
     hidden = hidden.view(n * a, b, -1)[sel]                              # [M, B, H]
-    rows = torch.arange(n)[:, None].expand(n, a).flatten()[sel]          # [M] sequence of each block
+    rows = torch.arange(n, device=dev)[:, None].expand(n, a).flatten()[sel]  # [M] sequence of each block
     anc = anchors.flatten()[sel]                                         # [M]
     label_pos = anc[:, None] + offs[None, 1:]                            # [M, S] positions a+1..a+S
     in_range = label_pos < t
@@ -129,7 +136,7 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
     zero = slot_logits.new_zeros(())
     ce_sum = dist_sum = margin_sum = zero
     metrics = {
-        "blocks": torch.tensor(float(len(anc))),
+        "blocks": torch.tensor(float(len(anc)), device=dev),
         "label_slots": label_mask.float().sum(0),                                    # [S]
         "top1_hits": ((cand_ids[..., 0] == labels) & label_mask).float().sum(0),     # [S]
         "topk_hits": ((cand_ids == labels[..., None]).any(-1) & label_mask).float().sum(0),

@@ -197,7 +197,7 @@ def greedy_walk(anchor_scores: torch.Tensor, pair_scores: torch.Tensor, *,
     if N == 0:
         return idx
     bk, _ = block_sizes(K, 1)
-    greedy_walk_kernel[(N,)](anchor_scores, pair_scores, N, S, K, idx, BLOCK_K=bk)
+    greedy_walk_kernel[(N,)](anchor_scores, pair_scores, N, S, K, idx, BLOCK_K=bk, num_warps=1)
     return idx
 
 

@@ -168,6 +168,20 @@ def test_training_prompts_mix_and_determinism(train_prompts):
         iter_training_prompts(5, mix={"code": 0})
 
 
+def test_training_prompts_independent_of_hash_seed():
+    """Same list in processes with different PYTHONHASHSEED (some reasoning-gym families are not)."""
+    code = ("import hashlib, json; from lilicorr.data.prompt_sources import iter_training_prompts; "
+            "print(hashlib.sha256(json.dumps(iter_training_prompts(300, seed=5)).encode()).hexdigest())")
+    outs = set()
+    for h in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=h)
+        r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode == 0, r.stderr
+        outs.add(r.stdout.strip().splitlines()[-1])
+    assert len(outs) == 1
+
+
 def test_training_math_seeds_disjoint_from_eval():
     from lilicorr.data.prompt_sources import MATH_FAMILIES, math_family_seed
     spec = importlib.util.spec_from_file_location("make_suites", REPO / "train" / "make_suites.py")
@@ -358,10 +372,13 @@ def test_regen_cli_killed_midway(request, tmp_path):
         if out.exists() and out.read_bytes().count(b"\n") >= 2:
             break
         time.sleep(0.05)
-    if proc.poll() is None:
+    killed = proc.poll() is None
+    if killed:
         proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
+    assert killed, proc.stderr.read().decode()[-2000:]
     n_before = out.read_bytes().count(b"\n")
+    assert 2 <= n_before < 24
     with open(out, "ab") as f:                               # and a torn line on top
         f.write(b'{"id": "torn", "messages": [')
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -370,3 +387,28 @@ def test_regen_cli_killed_midway(request, tmp_path):
     assert stats["already_done"] == n_before
     recs = _lines(out)
     assert len(recs) == len({x["id"] for x in recs}) == 24 - stats["skipped_too_long"]
+
+
+@pytest.mark.slow
+def test_regen_smollm2(smollm2_dir, tmp_path):
+    """The real CPU target: chat template, EOS = <|im_end|>, one prompt of each kind."""
+    from lilicorr.data.prompt_sources import iter_training_prompts
+    from lilicorr.regen import regenerate
+    from lilicorr.tokenizer import Tokenizer
+    ps = iter_training_prompts(12, seed=0)
+    prompts = [next(p for p in ps if p["kind"] == k) for k in ("code", "math", "chat")]
+    out = tmp_path / "smol.jsonl"
+    st = regenerate(smollm2_dir, out, prompts=prompts, max_new_tokens=24, batch_size=3, progress=False)
+    assert st["written"] == 3
+    tok = Tokenizer.from_dir(smollm2_dir)
+    im_end = tok.token_id("<|im_end|>")
+    assert im_end in tok.eos_ids
+    for r in _lines(out):
+        assert r["prompt_ids"] == tok.encode_chat(r["messages"][:-1])
+        assert tok.decode(r["prompt_ids"], skip_special_tokens=False).rstrip().endswith("<|im_start|>assistant")
+        assert r["messages"][-1]["content"].strip()
+        if r["finish_reason"] == "stop":
+            assert r["completion_ids"][-1] in tok.eos_ids
+        else:
+            assert r["finish_reason"] == "length" and len(r["completion_ids"]) == 24
+            assert not set(r["completion_ids"]) & tok.eos_ids

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from lilicorr import checkpoint as ckpt_io
 from lilicorr.config import preset
 from lilicorr.target import load_target
 from lilicorr.trainer import Trainer, init_distributed
@@ -43,6 +44,10 @@ def parse_args(argv=None):
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the final weights (optimizer state always float32)")
+    p.add_argument("--features", default=None,
+                   help="feature directory of precomputed target features (built on first use)")
+    p.add_argument("--device", default=None,
+                   help="cpu | cuda (default: cuda when available; each torchrun rank uses cuda:LOCAL_RANK)")
     p.add_argument("--log", default=None, help="JSONL log of every step (default OUT.log.jsonl)")
     return p.parse_args(argv)
 
@@ -70,16 +75,39 @@ def build_config(args, target_cfg):
     return cfg
 
 
+def _fail(message: str) -> int:
+    print(f"train.py: error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    dist_info = init_distributed()
+    # cheap input checks first, before the target is loaded or a process group is formed
+    if not Path(args.data).is_file():
+        return _fail(f"--data {args.data}: no such file (make it with train/regen.py)")
+    if not Path(args.target).is_dir():
+        return _fail(f"--target {args.target}: no such directory (an HF folder with config.json)")
+    try:
+        ckpt_io.check_writable(args.out)
+    except ckpt_io.CheckpointError as e:
+        return _fail(str(e))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dist_info = init_distributed(device)
+    if torch.device(device).type == "cuda" and torch.device(device).index is None:
+        device = f"cuda:{torch.cuda.current_device()}"          # set to LOCAL_RANK by init_distributed
     torch.set_num_threads(max(1, torch.get_num_threads() // dist_info.world))
-    target = load_target(args.target, dtype=torch.float32)
-    cfg = build_config(args, target.config)
-    seqs = load_sequences(args.data, cfg.train.seq_len)
-    pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-    trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info, micro_batch=args.micro_batch)
-    resumed = trainer.resume(args.out)
+    try:
+        target = load_target(args.target, dtype=torch.float32, device=device)
+        cfg = build_config(args, target.config)
+        seqs = load_sequences(args.data, cfg.train.seq_len)
+        pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+        trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info,
+                          micro_batch=args.micro_batch)
+        resumed = trainer.resume(args.out)
+    except (FileNotFoundError, ValueError, KeyError, ckpt_io.CheckpointError) as e:
+        if dist_info.enabled:
+            torch.distributed.destroy_process_group()
+        return _fail(str(e))
     log_path = Path(args.log or f"{args.out.rstrip('/')}.log.jsonl")
     is_main = dist_info.rank == 0
     if is_main:
@@ -108,6 +136,20 @@ def main(argv=None) -> int:
     if dist_info.enabled:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def _feature_store(path, target, cfg, seqs, dist_info):
+    """Open the offline feature store, building it first (rank 0) when it does not exist."""
+    from lilicorr.features import FeatureStore, build_feature_store
+
+    if not (Path(path) / "meta.json").exists() and dist_info.rank == 0:
+        from tqdm import tqdm
+
+        with tqdm(total=len(seqs), desc="target features", unit="seq") as bar:
+            build_feature_store(target, seqs, cfg.drafter.target_layer_ids, path, progress=bar.update)
+    if dist_info.enabled:
+        torch.distributed.barrier()
+    return FeatureStore(path, target.config, cfg.drafter.target_layer_ids, seqs)
 
 
 def _progress(total: int, done: int, enabled: bool):

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 import traceback
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
@@ -49,6 +49,7 @@ class Job:
     accepted: int = 0
     drafted: int = 0
     steps: int = 0
+    events: int = 0
     done: bool = False
 
     def label(self) -> str:
@@ -90,8 +91,11 @@ class EngineLoop:
 
     def __init__(self, engine: Any, *, max_active: int = 32, cancel_check_period_s: float = 0.02,
                  idle_poll_s: float = 0.05, on_step: Callable[[LoopStats, list], None] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, stop_ids: Sequence[int] | None = None,
+                 timer: Any = None):
         self.engine = engine
+        self.timer = timer      # lilicorr.profiling.StageTimer: stage times of every engine step
+        self.stop_ids = list(stop_ids) if stop_ids else None
         self.max_active = max_active
         self.cancel_check_period_s = cancel_check_period_s
         self.idle_poll_s = idle_poll_s
@@ -136,18 +140,26 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- loop
     def _run(self) -> None:
+        import contextlib
+        with self.timer.active() if self.timer is not None else contextlib.nullcontext():
+            self._loop()
+
+    def _loop(self) -> None:
         while self._running.is_set():
             try:
                 if not self._active and not self._waiting:
                     try:
                         self._waiting.append(self._inbox.get(timeout=self.idle_poll_s))
                     except queue.Empty:
+                        self._publish([])
                         continue
                 self._drain_inbox()
                 self._check_cancelled(force=False)
                 self._admit()
                 if self._active:
                     self._step()
+                else:
+                    self._publish([])
             except Exception:  # a bug in the loop must not kill the server: fail what is active
                 msg = traceback.format_exc()
                 self.log(f"engine loop error: {msg}")
@@ -169,7 +181,8 @@ class EngineLoop:
             p = job.params
             try:
                 job.rid = self.engine.add_request(job.prompt_ids, p.max_tokens, rule=p.decode_rule,
-                                                  temperature=p.temperature, seed=p.seed)
+                                                  temperature=p.temperature, seed=p.seed,
+                                                  stop_ids=None if p.ignore_eos else self.stop_ids)
             except ValueError as e:
                 self._fail(job, INVALID_ARG, f"{job.label()}: {e}")
                 continue
@@ -206,13 +219,17 @@ class EngineLoop:
                 continue
             new = [int(t) for t in ev.new_tokens]
             job.tokens.extend(new)
-            job.accepted += int(getattr(ev, "accepted", 0) or 0)
-            job.drafted += int(getattr(ev, "drafted", 0) or 0)
-            job.steps += 1
+            job.events += 1
             self.stats.output_tokens += len(new)
-            self.stats.accepted_tokens += int(getattr(ev, "accepted", 0) or 0)
-            self.stats.drafted_tokens += int(getattr(ev, "drafted", 0) or 0)
-            self.stats.verify_steps += 1
+            if job.events > 1:
+                # the first event is the prefill's token: not a verify step (as in engine.Result.tau)
+                acc, dr = int(getattr(ev, "accepted", 0) or 0), int(getattr(ev, "drafted", 0) or 0)
+                job.accepted += acc
+                job.drafted += dr
+                job.steps += 1
+                self.stats.accepted_tokens += acc
+                self.stats.drafted_tokens += dr
+                self.stats.verify_steps += 1
             final = bool(ev.finished)
             if final:
                 del self._active[ev.rid]
@@ -230,12 +247,20 @@ class EngineLoop:
             if final:
                 job.done = True
                 self.stats.requests_ok += 1
+        self._publish(events)
+
+    def _publish(self, events: list) -> None:
+        """Refresh the gauges and call the on_step hook (after a step, or when idle counts changed)."""
         self.stats.active, self.stats.waiting = len(self._active), len(self._waiting)
-        if self.on_step is not None:
-            try:
-                self.on_step(self.stats, events)
-            except Exception:  # noqa: BLE001 - metrics must never break serving
-                self.log(f"on_step hook failed: {traceback.format_exc()}")
+        key = (self.stats.steps, self.stats.active, self.stats.waiting, self.stats.requests_failed,
+               self.stats.requests_cancelled)
+        if self.on_step is None or (not events and key == getattr(self, "_published", None)):
+            return
+        self._published = key
+        try:
+            self.on_step(self.stats, events)
+        except Exception:  # noqa: BLE001 - metrics must never break serving
+            self.log(f"on_step hook failed: {traceback.format_exc()}")
 
     # ---------------------------------------------------------------- helpers
     def _is_cancelled(self, job: Job) -> bool:

@@ -34,6 +34,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -207,6 +208,8 @@ class TritonServer:
         self.shm_prefix = f"{SHM_BASE_PREFIX}lilicorr_{os.getpid()}_{uuid.uuid4().hex[:8]}_"
         self.grpc_port = self.http_port = self.metrics_port = 0
         self.log_path: Path | None = None
+        self.last_log = ""
+        self.abort: "threading.Event | None" = None    # set it to give up waiting for readiness
         self._log_fh = None
 
     # ------------------------------------------------------------------ urls
@@ -294,14 +297,21 @@ class TritonServer:
                                        f"\n{self.log_tail()}")
             if self.is_ready():
                 return
+            if self.abort is not None and self.abort.is_set():
+                raise ServerStartError("aborted while waiting for the server to become ready")
             time.sleep(0.25)
         raise ServerStartError(f"tritonserver not ready after {timeout or self.startup_timeout:.0f} s\n{self.log_tail()}")
 
+    def log_text(self) -> str:
+        if self.log_path is not None and self.log_path.exists():
+            return self.log_path.read_text(errors="replace")
+        return self.last_log
+
     def log_tail(self, n: int = 60) -> str:
-        if self.log_path is None or not self.log_path.exists():
+        text = self.log_text()
+        if not text:
             return "(server log not captured)"
-        lines = self.log_path.read_text(errors="replace").splitlines()
-        return "\n".join(lines[-n:])
+        return "\n".join(text.splitlines()[-n:])
 
     def stop(self, timeout: float | None = None) -> int | None:
         """SIGTERM, wait (exit timeout + margin), SIGKILL the process group; remove shm and temp dirs."""
@@ -329,8 +339,8 @@ class TritonServer:
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if self.workdir is not None:
-            if self.log_path is not None and self.log_path.parent == self.workdir and self.proc is None:
-                # keep the log readable after stop for debugging: copy it next to the temp dir's parent
+            if self.log_path is not None and self.log_path.parent == self.workdir:
+                # the temp dir goes away: keep the log text readable (log_text / log_tail)
                 try:
                     self.last_log = self.log_path.read_text(errors="replace")
                 except OSError:

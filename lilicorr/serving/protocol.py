@@ -32,11 +32,12 @@ class RequestError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    max_seq_len: int = 2048          # prompt + generated tokens must fit
+    max_seq_len: int = 2048          # prompt + generated tokens must fit (engine context minus a block)
     max_tokens_limit: int = 2048     # largest max_tokens a request may ask for
     default_max_tokens: int = 128
     vocab_size: int | None = None    # token ids must lie in [0, vocab_size)
     default_rule: str = "lilicorr"
+    stop_ids: tuple[int, ...] = ()   # end-of-sequence ids (the tokenizer's EOS / end-of-turn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,8 @@ class GenerationParams:
     seed: int | None = None
     decode_rule: str = "lilicorr"
     stream: bool = True
+    max_tokens_given: bool = True    # False: the default, clamped to the room left in the context
+    ignore_eos: bool = False         # request parameter only: generate exactly max_tokens tokens
 
 
 def parse_parameters(raw: str | bytes | Mapping | None) -> dict[str, Any]:
@@ -128,7 +131,7 @@ def parse_generation_params(tensors: Mapping[str, Any], parameters: Mapping[str,
         return parameters.get(name) if v is None else v
 
     mt = get("max_tokens")
-    max_tokens = limits.default_max_tokens if mt is None else _as_int("max_tokens", mt)
+    max_tokens = min(limits.default_max_tokens, limits.max_tokens_limit) if mt is None else _as_int("max_tokens", mt)
     if max_tokens <= 0:
         raise RequestError(f"max_tokens must be a positive integer, got {max_tokens}")
     if max_tokens > limits.max_tokens_limit:
@@ -154,8 +157,18 @@ def parse_generation_params(tensors: Mapping[str, Any], parameters: Mapping[str,
 
     st = get("stream")
     stream = True if st is None else _as_bool("stream", st)
+    ie = parameters.get("ignore_eos")
+    ignore_eos = False if ie is None else _as_bool("ignore_eos", ie)
     return GenerationParams(max_tokens=max_tokens, temperature=temperature, seed=seed,
-                            decode_rule=rule, stream=stream)
+                            decode_rule=rule, stream=stream, max_tokens_given=mt is not None,
+                            ignore_eos=ignore_eos)
+
+
+def fit_params(params: GenerationParams, prompt_len: int, limits: Limits) -> GenerationParams:
+    """A defaulted max_tokens shrinks to the room left in the context (an explicit one is checked)."""
+    if params.max_tokens_given or prompt_len + params.max_tokens <= limits.max_seq_len:
+        return params
+    return dataclasses.replace(params, max_tokens=max(1, limits.max_seq_len - prompt_len))
 
 
 def validate_prompt_ids(ids: Any, limits: Limits, max_tokens: int) -> list[int]:

@@ -98,6 +98,9 @@ class ServeOptions:
     num_threads: int = 0                # torch threads in the engine stub (0: torch default)
     draft_backend: str | None = None    # override the manifest's backend
     chat_template: bool = True          # preprocessing applies the chat template to text_input
+    profile: bool = False               # time the Table 3 stages in the engine thread (-> /metrics)
+    engine_factory: str = ""            # "module:function(params) -> engine"; "" = SpecEngine.from_paths
+    extra_parameters: dict = dataclasses.field(default_factory=dict)   # more lilicorr-model parameters
 
 
 def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
@@ -119,6 +122,11 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "post_instances": str(opts.post_instances),
         "num_threads": str(opts.num_threads),
         "chat_template": "true" if opts.chat_template else "false",
+        "engine_factory": opts.engine_factory,
+        "profile": "true" if opts.profile else "false",
+        "extra_parameters": "\n".join(
+            f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
+            for k, v in opts.extra_parameters.items()),
         # the stub sources <venv>/bin/activate before it starts (see launcher.py)
         "execution_env": (f'parameters: {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{env}" }} }}'
                           if env is not None else ""),
@@ -167,11 +175,25 @@ def open_engine(params: Mapping[str, str]):
 
     Returns (engine, limits). Runs inside the Triton stub (and in tests without Triton).
     """
+    import importlib
+
+    from .protocol import Limits
+
+    max_batch = int(params.get("max_batch") or 32)
+    max_seq_len = int(params.get("max_seq_len") or 2048)
+    limits = dict(max_seq_len=max_seq_len,
+                  max_tokens_limit=int(params.get("max_tokens_limit") or max_seq_len - 1),
+                  default_max_tokens=int(params.get("default_max_tokens") or 128),
+                  default_rule=params.get("default_decode_rule") or "lilicorr")
+    factory = params.get("engine_factory")
+    if factory:
+        module, _, fn = factory.partition(":")
+        engine = getattr(importlib.import_module(module), fn)(params)
+        return engine, Limits(vocab_size=getattr(engine, "vocab_size", None), **limits)
+
     import torch
 
     from lilicorr.engine import SpecEngine
-    from lilicorr.target import TargetConfig
-    from .protocol import Limits
 
     device = params.get("device") or "auto"
     if device == "auto":
@@ -180,21 +202,28 @@ def open_engine(params: Mapping[str, str]):
     if n_threads > 0:
         torch.set_num_threads(n_threads)
     dtype = getattr(torch, params.get("dtype") or "float32")
-    max_batch = int(params.get("max_batch") or 32)
-    max_seq_len = int(params.get("max_seq_len") or 2048)
     target_dir = params["target_dir"]
     kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
-    if params.get("engine_dir"):
-        kwargs["engine_dir"] = params["engine_dir"]
-    if params.get("ckpt_dir"):
-        kwargs["ckpt_dir"] = params["ckpt_dir"]
-    if params.get("draft_backend"):
-        kwargs["draft_backend"] = params["draft_backend"]
+    for key in ("engine_dir", "ckpt_dir", "draft_backend"):
+        if params.get(key):
+            kwargs[key] = params[key]
+    for key in ("untrained_seed", "block_size"):      # tests: an untrained drafter, no checkpoint
+        if params.get(key):
+            kwargs[key] = int(params[key])
     engine = SpecEngine.from_paths(target_dir, **kwargs)
-    vocab = getattr(engine, "vocab_size", None) or TargetConfig.from_hf_dir(target_dir).vocab_size
-    limits = Limits(max_seq_len=max_seq_len,
-                    max_tokens_limit=int(params.get("max_tokens_limit") or max_seq_len - 1),
-                    default_max_tokens=int(params.get("default_max_tokens") or 128),
-                    vocab_size=int(vocab),
-                    default_rule=params.get("default_decode_rule") or "lilicorr")
-    return engine, limits
+    engine.keep_results = False          # a server must not keep every finished sequence
+    # the engine clamps max_seq_len to the target's positions and needs room for one block
+    limits["max_seq_len"] = int(engine.max_seq_len) - int(getattr(engine, "block_size", 1))
+    limits["max_tokens_limit"] = min(limits["max_tokens_limit"], limits["max_seq_len"])
+    limits["default_max_tokens"] = min(limits["default_max_tokens"], limits["max_tokens_limit"])
+    return engine, Limits(vocab_size=int(engine.vocab_size), stop_ids=tuple(stop_ids_for(target_dir)), **limits)
+
+
+def stop_ids_for(target_dir: str | os.PathLike) -> list[int]:
+    """End-of-sequence ids: the tokenizer's EOS and end-of-turn tokens, else the target config's."""
+    try:
+        from lilicorr.tokenizer import Tokenizer
+        return sorted(Tokenizer.from_dir(target_dir).eos_ids)
+    except (FileNotFoundError, ImportError):
+        from lilicorr.target import TargetConfig
+        return list(TargetConfig.from_hf_dir(target_dir).eos_token_ids)

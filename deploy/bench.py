@@ -1,0 +1,129 @@
+#!/usr/bin/env python3
+"""Closed-loop load benchmark of the LiLiCorr Triton server: every rule side by side per concurrency.
+
+    python deploy/bench.py --url 127.0.0.1:8001 --prompts humaneval --limit 32 \\
+        --concurrency 1,2,4,8,16,32 --rules ar,argmax,lilicorr --max-tokens 128 --json results/bench.json
+
+Reports output tokens/s, tau (accepted incl. bonus / verify steps), speedup over `ar` at the same
+concurrency, p50/p99 TTFT and per-token latency (TPOT), prints a markdown table, writes OUT.json
+and a speedup-vs-concurrency plot OUT.png next to it. --profile adds the server's Table 3 stage
+decomposition per cell (start the server with `deploy/serve.py --profile`). Instead of --url,
+--engine DIR starts a server for the run (on free loopback ports) and stops it afterwards.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from lilicorr.data.suites import load_prompts
+from lilicorr.serving.benchmark import (add_comparisons, markdown_table, plot_speedup, request_kwargs,
+                                        run_cell, scrape_metrics, stage_delta)
+from lilicorr.serving.client import LiLiCorrClient
+
+
+def parse_list(s: str, cast=str) -> list:
+    return [cast(x) for x in s.replace(" ", "").split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", help="gRPC HOST:PORT of a running server")
+    p.add_argument("--engine", help="start a server for this engine dir instead of using --url")
+    p.add_argument("--metrics-url", help="Prometheus endpoint (default: http://HOST:8002/metrics)")
+    p.add_argument("--prompts", default="humaneval", help="built-in suite name or JSONL file")
+    p.add_argument("--limit", type=int, default=None, help="first N prompts")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests per cell (default: max(#prompts, concurrency); prompts are cycled)")
+    p.add_argument("--concurrency", default="1,2,4,8,16,32")
+    p.add_argument("--rules", default="ar,argmax,lilicorr")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests per rule before the run")
+    p.add_argument("--json", required=True, help="output JSON path (the PNG plot goes next to it)")
+    p.add_argument("--profile", action="store_true", help="per-cell stage decomposition from /metrics")
+    p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
+    args = p.parse_args(argv)
+
+    concurrencies = parse_list(args.concurrency, int)
+    rules = parse_list(args.rules)
+    if "ar" in rules:      # the baseline first at every concurrency
+        rules = ["ar"] + [r for r in rules if r != "ar"]
+    else:
+        print("note: no `ar` in --rules, so no speedup column", file=sys.stderr)
+    prompts = load_prompts(args.prompts, args.limit)
+    if not prompts:
+        print("no prompts", file=sys.stderr)
+        return 2
+
+    server = None
+    if args.engine:
+        import tempfile
+
+        from lilicorr.serving.launcher import TritonServer
+        from lilicorr.serving.repository import ServeOptions, generate_repository, read_engine_manifest
+        repo = Path(tempfile.mkdtemp(prefix="lilicorr-bench-repo-"))
+        generate_repository(read_engine_manifest(args.engine), repo,
+                            ServeOptions(max_batch=max(concurrencies), profile=args.profile))
+        server = TritonServer(repo, startup_timeout=900).start()
+        url, metrics_url = server.grpc_url, server.metrics_url
+    elif args.url:
+        url = args.url
+        metrics_url = args.metrics_url or f"http://{url.rsplit(':', 1)[0]}:8002/metrics"
+    else:
+        p.error("pass --url HOST:PORT or --engine DIR")
+
+    client = LiLiCorrClient(url, timeout=args.timeout)
+    cells, outputs = [], {}
+    try:
+        client.wait_ready(60)
+        for rule in rules:
+            for item in prompts[: args.warmup]:
+                client.generate(max_tokens=min(8, args.max_tokens), decode_rule=rule, **request_kwargs(item))
+        for c in concurrencies:
+            for rule in rules:
+                before = scrape_metrics(metrics_url) if args.profile else None
+                cell, results = run_cell(client, prompts, rule, c, args.max_tokens, args.requests,
+                                         args.temperature, args.seed)
+                if args.profile:
+                    cell["stages"] = stage_delta(before, scrape_metrics(metrics_url))
+                cells.append(cell)
+                outputs[(rule, c)] = results
+                print(f"[bench] {rule:>8} c={c:<3} {cell['tokens_per_s']:8.1f} tok/s  "
+                      f"tau={cell['tau'] if cell['tau'] is None else round(cell['tau'], 2)}  "
+                      f"errors={cell['errors']}", file=sys.stderr, flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+            import shutil
+            shutil.rmtree(repo, ignore_errors=True)
+
+    add_comparisons(cells, outputs)
+    table = markdown_table(cells)
+    print(table)
+    if args.profile:
+        from lilicorr.profiling import format_table
+        for cell in cells:
+            if cell.get("stages") and cell["stages"]["blocks"]:
+                print("\n" + format_table(cell["stages"], f"{cell['rule']} @ concurrency {cell['concurrency']}"))
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "config": {k: v for k, v in vars(args).items()},
+        "url": url, "num_prompts": len(prompts), "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "cells": cells, "table_markdown": table,
+    }
+    out.write_text(json.dumps(report, indent=2))
+    png = out.with_suffix(".png")
+    plot_speedup(cells, str(png), title=f"{args.prompts}, max_tokens={args.max_tokens}")
+    print(f"\nwrote {out} and {png}", file=sys.stderr)
+    return 0 if all(c["errors"] == 0 for c in cells) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

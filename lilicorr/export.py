@@ -1,0 +1,649 @@
+"""Export the drafter + head to ONNX and build engine directories (``convert/build_engine.py``).
+
+Two graphs, so the drafter's context cache lives outside them (in the runtime's KVCache):
+
+    context.onnx  captured [N, T, n, H] f32, positions [N, T] i64
+                  -> ctx_k_i, ctx_v_i [N, h, T, D] for every draft layer i (to append to the cache)
+    draft.onnx    anchor_ids [N] i64, anchor_pos [N] i64, ctx_lengths [N] i64,
+                  ctx_k_i, ctx_v_i [N, h, C, D], target_state [N, n, H] (head only)
+                  -> tokens [N, S] i64 (greedy walk, Eq. 8), cand_ids [N, S, K] i64,
+                     anchor_scores [N, K], pair_scores [N, S-1, K, K] (head only)
+
+N (rows), T (new context tokens) and C (cached context length) are dynamic. The draft graph of a
+LiLiCorr checkpoint carries the custom nodes lilicorr::LatticeMatch and lilicorr::GreedyWalk
+(plugin_namespace="lilicorr", plugin_version="1") plus their ONNX local functions, so ONNX
+Runtime runs it as is and TensorRT maps the nodes to the IPluginV3 plugins when they are
+registered (to the functions otherwise). A vanilla DFlash checkpoint exports without them
+(tokens = top-1 of each slot).
+
+    build_engine_dir(ckpt_dir, target_dir, out_dir, backend="onnxruntime")  -> Path
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import re
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lilicorr import lattice
+from lilicorr.checkpoint import CONFIG, META, WEIGHTS, CheckpointError, atomic_dir
+from lilicorr.drafter import inference_attention_mask
+from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REPO, EngineDirError,
+                                 file_sha256, portable_path, target_record, write_manifest)
+from lilicorr.head import top_k_candidates
+from lilicorr.ort_runner import context_io_names, draft_io_names, ort_session
+
+CONTEXT_ONNX, DRAFT_ONNX = "context.onnx", "draft.onnx"
+ORT_SUFFIX = ".ort.onnx"
+OPSET = 20
+ORT_LEVEL = "ORT_ENABLE_EXTENDED"    # saved optimised graphs stay portable across CPUs
+DEFAULT_TARGET = REPO / ".cache" / "smollm2-135m-instruct-float32"
+EXTERNAL_DATA_BYTES = 1_500_000_000  # above this, weights go to a .data file next to the .onnx
+# (N rows, C cached context) for the draft graph and (N, T new tokens) for the context graph
+DRAFT_CASES = ((1, 1), (2, 5), (4, 16), (8, 40))
+CONTEXT_CASES = ((1, 1), (3, 6), (5, 24))
+
+
+class BuildError(RuntimeError):
+    """Bad input to the engine build (named precisely); nothing has been written."""
+
+
+# ------------------------------------------------------------------------------ graphs
+class ContextGraph(nn.Module):
+    """captured [N, T, n, H], positions [N, T] -> (k_0, v_0, k_1, v_1, ...) each [N, h, T, D]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.drafter = model.drafter
+
+    def forward(self, captured: torch.Tensor, positions: torch.Tensor):
+        d = self.drafter
+        out = []
+        for k, v in d.context_kv(d.project_context(captured), positions):
+            out += [k, v]
+        return tuple(out)
+
+
+class DraftGraph(nn.Module):
+    """One block per row over the cached context; see the module docstring for the I/O."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, anchor_ids, anchor_pos, ctx_lengths, ctx_kv, target_state=None):
+        m = self.model
+        d, b = m.drafter, m.block_size
+        emb = d.block_embeddings(anchor_ids[:, None], b)                       # [N, B, H]
+        pos = anchor_pos[:, None] + torch.arange(b, device=anchor_pos.device)[None, :]   # [N, B]
+        kv = [(ctx_kv[2 * i], ctx_kv[2 * i + 1]) for i in range(len(ctx_kv) // 2)]
+        mask = inference_attention_mask(ctx_lengths, ctx_kv[0].shape[2], b)    # [N, 1, B, C+B]
+        slot_hidden = d(emb, pos, kv, mask)[:, 1:]                             # [N, S, H]
+        slot_logits = d.logits(slot_hidden)                                    # [N, S, V]
+        if m.head is None:
+            cand_ids = torch.topk(slot_logits, m.cfg.head.top_k, dim=-1).indices   # [N, S, K]
+            return cand_ids[..., 0], cand_ids
+        cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k)
+        out_vec, in_vec, anchor_out = m.head(cand_ids, cand_feats, slot_hidden, target_state)
+        anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, m.cfg.head.sigma)
+        idx = lattice.greedy_walk(anchor_scores, pair_scores)                  # [N, S]
+        tokens = torch.gather(cand_ids, -1, idx[..., None]).squeeze(-1)        # [N, S]
+        return tokens, cand_ids, anchor_scores, pair_scores
+
+
+def context_inputs(model, n: int, t: int, seed: int = 0, start: int = 0):
+    cfg = model.cfg.drafter
+    g = torch.Generator().manual_seed(seed)
+    captured = torch.randn(n, t, cfg.num_target_layers_captured, cfg.hidden_size, generator=g)
+    offs = torch.randint(0, 64, (n, 1), generator=g) + start
+    return captured, offs + torch.arange(t)[None, :]
+
+
+def draft_inputs(model, n: int, c: int, seed: int = 0):
+    """Random but consistent draft inputs: context K/V from the context graph over random
+    features, ragged lengths (>= 1), anchors right after each row's context."""
+    cfg = model.cfg.drafter
+    g = torch.Generator().manual_seed(seed + 1)
+    captured, pos = context_inputs(model, n, c, seed)
+    pos = pos - pos[:, :1]
+    with torch.no_grad():
+        kv = [t.contiguous() for t in ContextGraph(model)(captured, pos)]
+    lengths = torch.randint(1, c + 1, (n,), generator=g)
+    lengths[0] = c
+    anchors = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+    state = torch.randn(n, cfg.num_target_layers_captured, cfg.hidden_size, generator=g)
+    args = [anchors, lengths.clone(), lengths, kv]
+    if model.head is not None:
+        args.append(state)
+    return tuple(args)
+
+
+def _flat_draft_feeds(model, args) -> dict:
+    names = draft_io_names(model.cfg.drafter.num_layers, model.head is not None)[0]
+    flat = list(args[:3]) + list(args[3]) + list(args[4:])
+    return dict(zip(names, flat))
+
+
+# ------------------------------------------------------------------------------ export
+def _save(proto, path: Path, param_bytes: int) -> None:
+    import onnx
+
+    if param_bytes > EXTERNAL_DATA_BYTES:
+        onnx.save(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                  location=path.name + ".data")
+    else:
+        onnx.save(proto, str(path))
+
+
+def _param_bytes(module: nn.Module, extra=()) -> int:
+    tensors = {id(p): p for p in module.parameters()}
+    tensors.update({id(t): t for t in extra})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _onnx_export(module, args, dynamic_shapes, in_names, out_names):
+    # the exporter logs a warning per missing torchvision op; not ours to fix
+    logging.getLogger("torch.onnx._internal.exporter._registration").setLevel(logging.ERROR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic_shapes,
+                                 input_names=in_names, output_names=out_names, opset_version=OPSET,
+                                 optimize=True, verbose=False)
+    return prog.model_proto
+
+
+def export_context(model, path) -> "onnx.ModelProto":
+    """Write context.onnx for `model` (float32, eval) to `path`."""
+    cfg = model.cfg.drafter
+    ins, outs = context_io_names(cfg.num_layers)
+    n_dim = torch.export.Dim("batch", min=1, max=4096)
+    t_dim = torch.export.Dim("new_tokens", min=1, max=1 << 20)
+    args = context_inputs(model, 2, 5)
+    proto = _onnx_export(ContextGraph(model), args, ({0: n_dim, 1: t_dim}, {0: n_dim, 1: t_dim}), ins, outs)
+    proto.doc_string = "lilicorr drafter context: captured target features -> per-layer context K/V"
+    _save(proto, Path(path), _param_bytes(model.drafter))
+    return proto
+
+
+def export_draft(model, path) -> "onnx.ModelProto":
+    """Write draft.onnx (+ local functions of the lilicorr nodes) for `model` to `path`."""
+    from lilicorr.plugins import onnx_functions
+
+    cfg = model.cfg.drafter
+    has_head = model.head is not None
+    ins, outs = draft_io_names(cfg.num_layers, has_head)
+    n_dim = torch.export.Dim("batch", min=1, max=4096)
+    c_dim = torch.export.Dim("context", min=1, max=1 << 20)
+    args = draft_inputs(model, 3, 6)
+    shapes = [{0: n_dim}, {0: n_dim}, {0: n_dim}, [{0: n_dim, 2: c_dim} for _ in args[3]]]
+    if has_head:
+        shapes.append({0: n_dim})
+    proto = _onnx_export(DraftGraph(model), args, tuple(shapes), ins, outs)
+    if has_head:
+        onnx_functions.add_local_functions(proto)
+    proto.doc_string = ("lilicorr draft block: anchor + cached context K/V -> drafted tokens (greedy walk), "
+                        "top-K candidates, lattice scores")
+    embed = model.drafter.embed.weight
+    _save(proto, Path(path), _param_bytes(model, [embed, model.drafter.lm_head.weight]))
+    return proto
+
+
+def graph_summary(proto) -> dict:
+    """Opset, custom nodes (with their attributes) and local functions of an exported graph."""
+    from onnx import helper
+
+    nodes = []
+    for n in proto.graph.node:
+        if n.domain == "lilicorr":
+            nodes.append({"op_type": n.op_type, "name": n.name,
+                          "attributes": {a.name: helper.get_attribute_value(a) for a in n.attribute}})
+    for n in nodes:
+        n["attributes"] = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in n["attributes"].items()}
+    return {
+        "opset": {(imp.domain or "ai.onnx"): imp.version for imp in proto.opset_import},
+        "ir_version": proto.ir_version,
+        "inputs": {i.name: _dims(i) for i in proto.graph.input},
+        "outputs": {o.name: _dims(o) for o in proto.graph.output},
+        "custom_nodes": nodes,
+        "local_functions": [f"{f.domain}::{f.name}" for f in proto.functions],
+        "num_nodes": len(proto.graph.node),
+    }
+
+
+def _dims(vi) -> list:
+    return [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?") for d in vi.type.tensor_type.shape.dim]
+
+
+# ------------------------------------------------------------------------------ validation
+def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASES,
+                         context_cases=CONTEXT_CASES) -> dict:
+    """Run both graphs in ONNX Runtime and PyTorch on sample inputs (several batch sizes and
+    context lengths): max abs error of the context K/V and the lattice scores, exact equality of
+    drafted tokens and candidate ids."""
+    from lilicorr.ort_runner import OrtSession
+
+    ctx_sess, draft_sess = OrtSession(context_path), OrtSession(draft_path)
+    ctx_names = context_io_names(model.cfg.drafter.num_layers)[1]
+    rep = {"context": {"cases": [], "max_abs_err": 0.0}, "draft": {"cases": []}}
+    for i, (n, t) in enumerate(context_cases):
+        captured, pos = context_inputs(model, n, t, seed=100 + i)
+        with torch.no_grad():
+            ref = ContextGraph(model)(captured, pos)
+        got = ctx_sess.run({"captured": captured, "positions": pos})
+        err = max(float((got[name] - r).abs().max()) for name, r in zip(ctx_names, ref))
+        rep["context"]["cases"].append({"N": n, "T": t, "max_abs_err": err})
+        rep["context"]["max_abs_err"] = max(rep["context"]["max_abs_err"], err)
+    d = rep["draft"]
+    d.update(tokens_equal=True, cand_ids_equal=True, mismatched_rows=0, rows=0)
+    if model.head is not None:
+        d.update(anchor_scores_max_abs_err=0.0, pair_scores_max_abs_err=0.0)
+    for i, (n, c) in enumerate(draft_cases):
+        args = draft_inputs(model, n, c, seed=200 + i)
+        with torch.no_grad():
+            ref = DraftGraph(model)(*args)
+        got = draft_sess.run(_flat_draft_feeds(model, args))
+        case = {"N": n, "C": c, "tokens_equal": bool(torch.equal(got["tokens"], ref[0])),
+                "cand_ids_equal": bool(torch.equal(got["cand_ids"], ref[1]))}
+        bad_rows = int(((got["tokens"] != ref[0]).any(-1) | (got["cand_ids"] != ref[1]).flatten(1).any(-1)).sum())
+        d["mismatched_rows"] += bad_rows
+        d["rows"] += n
+        d["tokens_equal"] &= case["tokens_equal"]
+        d["cand_ids_equal"] &= case["cand_ids_equal"]
+        if model.head is not None:
+            case["anchor_scores_max_abs_err"] = float((got["anchor_scores"] - ref[2]).abs().max())
+            case["pair_scores_max_abs_err"] = float((got["pair_scores"] - ref[3]).abs().max())
+            for k in ("anchor_scores_max_abs_err", "pair_scores_max_abs_err"):
+                d[k] = max(d[k], case[k])
+        d["cases"].append(case)
+    rep["max_abs_err"] = max([rep["context"]["max_abs_err"]] + [v for k, v in d.items() if k.endswith("_err")])
+    return rep
+
+
+def optimize_onnxruntime(src, dst, level: str = ORT_LEVEL) -> None:
+    """Save ONNX Runtime's optimised graph of `src` (functions inlined, fusions applied) to `dst`."""
+    ort_session(src, optimized_out=dst, level=level)
+    if not Path(dst).is_file():
+        raise RuntimeError(f"onnxruntime did not write the optimised model {dst}")
+
+
+# ------------------------------------------------------------------------------ tensorrt
+_PLAN_NAME = re.compile(rb"(?<=\x00)(LatticeMatchWalk|LatticeMatch|GreedyWalk)(?=\x00)")
+
+
+def plan_plugins(plan: bytes) -> list[str]:
+    """lilicorr plugins a serialized plan carries: the plugin-creator table of a plan stores
+    "<namespace>\\0<version>\\0<name>\\0..." strings; layer names of an inlined local function
+    ("... (LatticeMatch)]") do not count."""
+    if b"lilicorr\x00" not in plan:
+        return []
+    return sorted({m.group(1).decode() for m in _PLAN_NAME.finditer(plan)})
+
+
+def _inspect_plan(trt, plan: bytes) -> dict | None:
+    """Engine-inspector layer info; needs a GPU to deserialize (None here on a CPU-only machine)."""
+    import shutil
+
+    if not (Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi")):
+        return None
+    try:
+        engine = trt.Runtime(trt.Logger(trt.Logger.ERROR)).deserialize_cuda_engine(plan)
+        if engine is None:
+            return None
+        insp = engine.create_engine_inspector()
+        info = json.loads(insp.get_engine_information(trt.LayerInformationFormat.JSON))
+        layers = info.get("Layers", [])
+        names = [ly if isinstance(ly, str) else json.dumps(ly) for ly in layers]
+        return {"num_layers": len(layers),
+                "plugin_layers": [n[:200] for n in names if "lilicorr" in n or "Plugin" in n]}
+    except Exception as e:  # pragma: no cover - GPU only
+        return {"error": str(e)}
+
+
+def _trt_profiles(proto, max_batch: int, max_context: int) -> dict:
+    """(min, opt, max) shape per input: dim 0 = rows, any other dynamic dim = context length."""
+    prof = {}
+    for vi in proto.graph.input:
+        dims = _dims(vi)
+
+        def shape(n, c):
+            return tuple((n if j == 0 else c) if not isinstance(d, int) or d == 0 else d
+                         for j, d in enumerate(dims))
+        prof[vi.name] = (shape(1, 1), shape(min(8, max_batch), min(256, max_context)),
+                         shape(max_batch, max_context))
+    return prof
+
+
+def build_trt_plans(tmp: Path, backend: str, context_proto, draft_proto, has_head: bool,
+                    max_batch: int, max_context: int, compute_capabilities=None) -> dict:
+    """context.plan, draft.plan (plugins) and, for a head on tensorrt-rtx, draft.functions.plan
+    (local functions, no plugins registered). Returns the manifest's `tensorrt` section."""
+    from lilicorr.plugins.trt_build import build_engine_from_onnx
+    from lilicorr.plugins.trt_v3 import load_trt
+
+    trt = load_trt(backend)
+    kw = dict(backend=backend, log_level="ERROR")
+    if backend == "tensorrt-rtx":
+        kw["compute_capabilities"] = compute_capabilities
+    variants = [("context", CONTEXT_ONNX, context_proto, "context.plan", False)]
+    variants.append(("draft", DRAFT_ONNX, draft_proto, "draft.plan", has_head))
+    if has_head and backend == "tensorrt-rtx":
+        variants.append(("draft_functions", DRAFT_ONNX, draft_proto, "draft.functions.plan", False))
+    plans = {}
+    for key, src, proto, out, use_plugins in variants:
+        info = build_engine_from_onnx(tmp / src, tmp / out, use_plugins=use_plugins,
+                                      profiles=_trt_profiles(proto, max_batch, max_context), **kw)
+        data = (tmp / out).read_bytes()
+        plans[key] = {
+            "file": out, "onnx": src, "use_plugins": use_plugins,
+            "plugins": plan_plugins(data),
+            "network_plugin_layers": [list(x) for x in info["plugin_layers"]],
+            "layer_types": info["layer_types"], "compute_capabilities": info["compute_capabilities"],
+            "build_s": info["build_s"], "size_bytes": info["size_bytes"],
+            "optimization_profile": {k: [list(s) for s in v] for k, v in (info["optimization_profile"] or {}).items()},
+            "inspector": _inspect_plan(trt, data),
+        }
+    return {"backend": backend, "module": trt.__name__, "version": getattr(trt, "__version__", "?"),
+            "max_batch": max_batch, "max_context": max_context, "plans": plans}
+
+
+# ------------------------------------------------------------------------------ build
+@dataclass
+class BuildOptions:
+    backend: str = "onnxruntime"
+    max_batch: int = 32                 # TensorRT optimisation profile: rows
+    max_context: int = 2048             # TensorRT optimisation profile: cached context length
+    compute_capabilities: list[str] | None = None   # TensorRT-RTX targets (default SM80/86/89/120)
+    yarn_factor: float | None = None    # bake YaRN rope scaling into the graphs
+    tolerance: float = 1e-3             # max abs error (ORT vs torch) above which the build fails
+    draft_cases: tuple = DRAFT_CASES
+    context_cases: tuple = CONTEXT_CASES
+    log: object = field(default=print, repr=False)
+
+
+def resolve_target(ckpt_dir, target_dir=None) -> Path:
+    """--target, else a target path recorded in the checkpoint (meta.json / config.json 'target'
+    'path'), else the default CPU target folder when its fingerprint matches."""
+    from lilicorr.checkpoint import read_config, target_fingerprint
+    from lilicorr.target import TargetConfig
+
+    if target_dir is not None:
+        return Path(target_dir)
+    ckpt_dir = Path(ckpt_dir)
+    cands = []
+    for name, get in ((META, lambda d: d.get("target_dir")),
+                      (CONFIG, lambda d: (d.get("target") or {}).get("path"))):
+        try:
+            v = get(json.loads((ckpt_dir / name).read_text()))
+        except (OSError, ValueError, AttributeError):
+            v = None
+        if isinstance(v, str) and v:
+            p = Path(v)
+            cands.append(p if p.is_absolute() else (ckpt_dir / p))
+    for p in cands:
+        if (p / "config.json").is_file():
+            return p
+    _, fingerprint = read_config(ckpt_dir)
+    if (DEFAULT_TARGET / "config.json").is_file():
+        if target_fingerprint(TargetConfig.from_hf_dir(DEFAULT_TARGET)) == fingerprint:
+            return DEFAULT_TARGET
+    raise BuildError(f"checkpoint {ckpt_dir} does not record its target folder and the default target "
+                     f"({DEFAULT_TARGET}) is absent or does not match; pass --target DIR")
+
+
+def default_out(ckpt_dir, backend: str) -> Path:
+    return REPO / "engines" / f"{Path(ckpt_dir).resolve().name}-{backend}"
+
+
+def _check_backend(backend: str) -> None:
+    """Fail before any work when the backend or its tools are missing."""
+    if backend not in BACKENDS:
+        raise BuildError(f"unknown backend {backend!r}; choose from {', '.join(BACKENDS)}")
+    for mod, why in (("onnx", "ONNX export"), ("onnxscript", "the dynamo ONNX exporter"),
+                     ("onnxruntime", "graph optimisation and validation")):
+        try:
+            __import__(mod)
+        except ImportError as e:
+            raise BuildError(f"{why} needs the Python package `{mod}`, which is not installed ({e}); "
+                             "pip install 'lilicorr[onnx]'") from e
+    if backend in ("tensorrt", "tensorrt-rtx"):
+        from lilicorr.plugins.trt_v3 import load_trt
+        try:
+            trt = load_trt(backend)
+        except ImportError as e:
+            raise BuildError(f"--backend {backend}: {e}") from e
+        if backend == "tensorrt-rtx":
+            from lilicorr.plugins.trt_build import check_rtx_parser_library
+            try:
+                check_rtx_parser_library(trt)
+            except RuntimeError as e:
+                raise BuildError(f"--backend tensorrt-rtx: {e}") from e
+
+
+def _check_out(out: Path, ckpt_dir: Path, target_dir: Path) -> None:
+    out_r = out.resolve()
+    for what, p in (("checkpoint", ckpt_dir), ("target", target_dir)):
+        p = p.resolve()
+        if out_r == p or p.is_relative_to(out_r):
+            raise BuildError(f"--out {out} would replace the {what} directory {p}")
+    if out.exists():
+        if not out.is_dir():
+            raise BuildError(f"--out {out} exists and is not a directory")
+        if any(out.iterdir()) and not (out / MANIFEST).is_file():
+            raise BuildError(f"refusing to write an engine over {out}: it is a non-empty directory "
+                             f"that is not an engine directory (no {MANIFEST})")
+
+
+def _tool_versions(backend: str) -> dict:
+    import importlib.metadata as md
+
+    tools = {"python": platform.python_version(), "torch": torch.__version__}
+    for mod in ("onnx", "onnxruntime", "onnxscript", "transformers"):
+        try:
+            tools[mod] = md.version(mod)
+        except md.PackageNotFoundError:
+            pass
+    for dist, key in (("tensorrt-rtx-cu12", "tensorrt_rtx"), ("tensorrt", "tensorrt")):
+        try:
+            tools[key] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    try:
+        tools["lilicorr"] = md.version("lilicorr")
+    except md.PackageNotFoundError:
+        pass
+    return tools
+
+
+def _yaml_scalar(v) -> str:
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))          # a JSON string is a valid YAML scalar
+
+
+def llm_api_yaml(target_path: str, ckpt_path: str, cfg, max_batch: int, max_seq_len: int) -> str:
+    """model.yaml for TensorRT-LLM's `llmapi` Triton model: top-level keys are `LLM(**args)`
+    arguments; `triton_config` and `lilicorr` are popped before the call (see engines/README.md)."""
+    d, h = cfg.drafter, cfg.head
+    lines = [
+        "# TensorRT-LLM LLM-API configuration for this LiLiCorr engine (NGC container path).",
+        "# Consumed by TensorRT-LLM's `llmapi` Triton model (triton_backend/all_models/llmapi/",
+        "# tensorrt_llm/1/model.yaml): every top-level key except `triton_config` and `lilicorr`",
+        "# is an argument of tensorrt_llm.LLM(**args) (PyTorch backend). The drafter is a",
+        "# DFlash-family speculative model; the `lilicorr` section is read by LiLiCorr's subclass of",
+        "# the DFlash worker (top-K lattice reranking) and must be popped before LLM(**args).",
+        f"model: {_yaml_scalar(target_path)}",
+        f"tokenizer: {_yaml_scalar(target_path)}",
+        'backend: "pytorch"',
+        "tensor_parallel_size: 1",
+        "pipeline_parallel_size: 1",
+        f"max_batch_size: {max_batch}",
+        f"max_seq_len: {max_seq_len}",
+        "speculative_config:",
+        '  decoding_type: "DFlash"',
+        f"  max_draft_len: {d.block_size - 1}  # S = B - 1 drafted slots per block",
+        f"  speculative_model_dir: {_yaml_scalar(ckpt_path)}",
+        "lilicorr:",
+        f"  block_size: {d.block_size}  # B = anchor + S slots",
+        f"  top_k: {h.top_k}  # K candidates per slot",
+        f"  sigma: {h.sigma}  # Eq. 1 cosine scale",
+        f"  target_layer_ids: [{', '.join(str(i) for i in d.target_layer_ids)}]  # captured target layers",
+        f"  decode_rule: {_yaml_scalar('argmax' if cfg.vanilla else 'lilicorr')}",
+        f"  has_head: {_yaml_scalar(not cfg.vanilla)}",
+        '  plugin_namespace: "lilicorr"',
+        "triton_config:",
+        "  max_batch_size: 0",
+        "  decoupled: true",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions | None = None) -> Path:
+    """Checkpoint -> engine directory (appears atomically; on any error nothing is left)."""
+    from lilicorr import checkpoint as ckpt_io
+    from lilicorr.model import LiLiCorrModel
+    from lilicorr.target import TargetConfig, load_target
+
+    opts = opts or BuildOptions()
+    log = opts.log or (lambda *a, **k: None)
+    t_start = time.perf_counter()
+    _check_backend(opts.backend)
+    ckpt_dir = Path(ckpt_dir)
+    cfg, fingerprint = ckpt_io.read_config(ckpt_dir)            # CheckpointError: missing / corrupt
+    ckpt_io.read_meta(ckpt_dir)
+    target_dir = resolve_target(ckpt_dir, target_dir)
+    if not (Path(target_dir) / "config.json").is_file():
+        raise BuildError(f"--target {target_dir}: not an HF folder (config.json missing)")
+    ckpt_io.check_target(ckpt_dir, fingerprint, TargetConfig.from_hf_dir(target_dir))
+    out = Path(out_dir) if out_dir is not None else default_out(ckpt_dir, opts.backend)
+    _check_out(out, ckpt_dir, Path(target_dir))
+
+    state = ckpt_io.load_state_dict(ckpt_dir)                   # CheckpointError: truncated weights
+    log(f"[build] target {target_dir}")
+    target = load_target(target_dir, dtype=torch.float32, yarn_factor=opts.yarn_factor)
+    model = LiLiCorrModel(cfg, target)
+    ckpt_io.load_into(model, {k: v.float() for k, v in state.items()}, ckpt_dir)
+    model = model.float().eval().requires_grad_(False)
+    has_head = model.head is not None
+    weights_sha = file_sha256(ckpt_dir / WEIGHTS)
+
+    def fill(tmp: Path):
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)           # mkdtemp makes it 0700; an engine dir is shared like any folder
+        t0 = time.perf_counter()
+        log("[build] exporting context.onnx (torch.onnx dynamo)")
+        ctx_proto = export_context(model, tmp / CONTEXT_ONNX)
+        log("[build] exporting draft.onnx (torch.onnx dynamo)")
+        draft_proto = export_draft(model, tmp / DRAFT_ONNX)
+        t_export = time.perf_counter() - t0
+        draft_summary = graph_summary(draft_proto)
+        ops = sorted({n["op_type"] for n in draft_summary["custom_nodes"]})
+        want = ["GreedyWalk", "LatticeMatch"] if has_head else []
+        if ops != want:
+            raise RuntimeError(f"draft graph has custom nodes {ops}, expected {want}")
+        log("[build] validating ONNX Runtime against PyTorch")
+        validation = validate_onnxruntime(model, tmp / CONTEXT_ONNX, tmp / DRAFT_ONNX,
+                                          opts.draft_cases, opts.context_cases)
+        validation["tolerance"] = opts.tolerance
+        if validation["max_abs_err"] > opts.tolerance:
+            raise BuildError(f"ONNX Runtime differs from PyTorch by {validation['max_abs_err']:.3g} "
+                             f"(> tolerance {opts.tolerance}); the export is wrong")
+        if not (validation["draft"]["tokens_equal"] and validation["draft"]["cand_ids_equal"]):
+            log(f"[build] WARNING: {validation['draft']['mismatched_rows']} of {validation['draft']['rows']} "
+                "sample rows differ in drafted tokens / candidates (near-ties in top-K?)")
+        manifest_ort = None
+        if opts.backend == "onnxruntime":
+            log(f"[build] optimising for ONNX Runtime ({ORT_LEVEL})")
+            files = {}
+            for graph, src in (("context", CONTEXT_ONNX), ("draft", DRAFT_ONNX)):
+                dst = src.replace(".onnx", ORT_SUFFIX)
+                optimize_onnxruntime(tmp / src, tmp / dst)
+                files[graph] = dst
+            val_opt = validate_onnxruntime(model, tmp / files["context"], tmp / files["draft"],
+                                           opts.draft_cases, opts.context_cases)
+            if val_opt["max_abs_err"] > opts.tolerance:
+                raise BuildError(f"the ORT-optimised graphs differ from PyTorch by {val_opt['max_abs_err']:.3g}")
+            validation["optimized"] = val_opt
+            import onnxruntime as ort
+            manifest_ort = {"files": files, "graph_optimization_level": ORT_LEVEL,
+                            "session_level": "ORT_ENABLE_ALL", "providers": ["CPUExecutionProvider"],
+                            "version": ort.__version__}
+        trt_section = None
+        if opts.backend in ("tensorrt", "tensorrt-rtx"):
+            log(f"[build] building {opts.backend} plans")
+            trt_section = build_trt_plans(tmp, opts.backend, ctx_proto, draft_proto, has_head,
+                                          opts.max_batch, opts.max_context, opts.compute_capabilities)
+            if has_head and trt_section["plans"]["draft"]["plugins"] != ["GreedyWalk", "LatticeMatch"]:
+                raise RuntimeError(f"draft.plan carries plugins {trt_section['plans']['draft']['plugins']}, "
+                                   "expected GreedyWalk and LatticeMatch")
+        # target side + config + manifest
+        tpath = portable_path(target_dir, out)
+        cpath = portable_path(ckpt_dir, out)
+        doc = {"lilicorr": cfg.to_dict(), "target": fingerprint}
+        (tmp / CONFIG).write_text(json.dumps(doc, indent=2, sort_keys=True))
+        (tmp / "model.yaml").write_text(llm_api_yaml(str(Path(target_dir).resolve()), str(ckpt_dir.resolve()),
+                                                     cfg, opts.max_batch, min(opts.max_context,
+                                                                              target.config.max_position_embeddings)))
+        d, h = cfg.drafter, cfg.head
+        files = {}
+        for f in sorted(tmp.iterdir()):
+            if f.is_file():
+                files[f.name] = {"bytes": f.stat().st_size, "sha256": file_sha256(f)}
+        ctx_summary = graph_summary(ctx_proto)
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "backend": opts.backend,
+            "target_dir": tpath, "ckpt": cpath,
+            "block_size": d.block_size, "top_k": h.top_k, "sigma": h.sigma, "has_head": has_head,
+            "dtype": "float32",
+            "checkpoint": {"path": cpath, "sha256": weights_sha, "config_sha256": file_sha256(ckpt_dir / CONFIG),
+                           "step": ckpt_io.read_meta(ckpt_dir).get("step")},
+            "target": {"path": tpath, **target_record(target, target_dir), "yarn_factor": opts.yarn_factor},
+            "shapes": {"H": d.hidden_size, "n": d.num_target_layers_captured, "layers": d.num_layers,
+                       "heads": d.num_heads, "kv_heads": d.num_kv_heads, "head_dim": d.head_dim,
+                       "V": d.vocab_size, "B": d.block_size, "S": d.block_size - 1,
+                       "K": h.top_k, "E": None if cfg.vanilla else h.embed_dim,
+                       "target_layer_ids": list(d.target_layer_ids)},
+            "config": cfg.to_dict(),
+            "opset": OPSET,
+            "onnx": {"exporter": "torch.onnx.export(dynamo=True)", "opset": OPSET,
+                     "custom_ops": ops, "plugin_namespace": lattice.ONNX_DOMAIN,
+                     "plugin_version": lattice.PLUGIN_VERSION,
+                     "local_functions": draft_summary["local_functions"]},
+            "graphs": {"context": {"file": CONTEXT_ONNX, **ctx_summary},
+                       "draft": {"file": DRAFT_ONNX, **draft_summary}},
+            "onnxruntime": manifest_ort,
+            "tensorrt": trt_section,
+            "validation": validation,
+            "llm_api_config": "model.yaml",
+            "tools": _tool_versions(opts.backend),
+            "build": {"export_s": round(t_export, 2), "total_s": None, "argv": sys.argv},
+            "files": files,
+        }
+        manifest["build"]["total_s"] = round(time.perf_counter() - t_start, 2)
+        write_manifest(tmp, manifest)
+
+    atomic_dir(out, fill)
+    log(f"[build] wrote {out}")
+    return out
+
+
+__all__ = ["BuildError", "BuildOptions", "ContextGraph", "DraftGraph", "build_engine_dir", "export_context",
+           "export_draft", "validate_onnxruntime", "optimize_onnxruntime", "plan_plugins", "resolve_target",
+           "default_out", "CheckpointError", "EngineDirError"]

@@ -1,0 +1,235 @@
+"""Draft runners over a built engine directory: ONNX Runtime (CPU) and TensorRT (GPU).
+
+Same interface as `lilicorr.draft_runner.TorchDraftRunner`. The drafter's context cache stays
+outside the graphs, in a `KVCache` (one slot per sequence, ragged lengths, rollback by length):
+
+    append_context: captured target features [N, T, n, H] + positions --context graph-->
+                    per-layer K/V [N, h, T, D] -> written to the cache at each row's length
+    draft:          anchors, positions, cached K/V [N, h, C, D] + lengths [N], target state
+                    --draft graph--> tokens [N, S] (greedy walk), cand_ids [N, S, K],
+                    anchor_scores [N, K], pair_scores [N, S-1, K, K]
+
+Decode rules are applied on the host from the outputs: lilicorr = the graph's greedy walk,
+argmax = cand_ids[..., 0], viterbi = lilicorr.lattice.viterbi on the scores.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from lilicorr import lattice
+from lilicorr.draft_runner import pad_ragged
+from lilicorr.engine_dir import EngineDirError, lilicorr_config
+from lilicorr.kv_cache import KVCache
+from lilicorr.model import Proposal
+from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, stage
+
+
+def context_io_names(num_layers: int) -> tuple[list[str], list[str]]:
+    outs = [f"{kv}_{i}" for i in range(num_layers) for kv in ("ctx_k", "ctx_v")]
+    return ["captured", "positions"], outs
+
+
+def draft_io_names(num_layers: int, has_head: bool) -> tuple[list[str], list[str]]:
+    ins = ["anchor_ids", "anchor_pos", "ctx_lengths"]
+    ins += [f"{kv}_{i}" for i in range(num_layers) for kv in ("ctx_k", "ctx_v")]
+    outs = ["tokens", "cand_ids"]
+    if has_head:
+        ins.append("target_state")
+        outs += ["anchor_scores", "pair_scores"]
+    return ins, outs
+
+
+# ------------------------------------------------------------------------------ sessions
+def ort_session(path, optimize: bool = True, threads: int | None = None, optimized_out=None,
+                level: str = "ORT_ENABLE_ALL"):
+    """An ONNX Runtime CPU session; `optimized_out` saves the optimised graph there."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise ImportError("the onnxruntime draft backend needs the `onnxruntime` package "
+                          "(pip install 'lilicorr[onnx]')") from e
+    so = ort.SessionOptions()
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level if optimize else "ORT_DISABLE_ALL")
+    threads = threads if threads is not None else int(os.environ.get("LILICORR_ORT_THREADS", "0"))
+    if threads:
+        so.intra_op_num_threads = threads
+    so.log_severity_level = 3
+    if optimized_out is not None:
+        so.optimized_model_filepath = str(optimized_out)
+    return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+
+
+class OrtSession:
+    """dict of torch tensors in -> dict of torch tensors out."""
+
+    def __init__(self, path, threads: int | None = None):
+        self.sess = ort_session(path, threads=threads)
+        self.outputs = [o.name for o in self.sess.get_outputs()]
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        arrays = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in feeds.items()}
+        return {k: torch.from_numpy(v) for k, v in zip(self.outputs, self.sess.run(self.outputs, arrays))}
+
+
+class TensorRTSession:
+    """A serialized TensorRT / TensorRT-RTX engine run on CUDA torch tensors (needs a GPU; the
+    lilicorr IPluginV3 creators are registered first so plugin layers deserialize)."""
+
+    def __init__(self, plan_path, backend: str):
+        from lilicorr.plugins.trt_v3 import load_trt, register_v3_plugins
+
+        trt = load_trt(backend)                       # ImportError naming the module if missing
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"running a {backend} engine needs a CUDA GPU and a CUDA build of torch; "
+                               "on this machine use draft backend 'onnxruntime' (same engine directory)")
+        register_v3_plugins(trt)
+        self.trt = trt
+        self.engine = trt.Runtime(trt.Logger(trt.Logger.WARNING)).deserialize_cuda_engine(
+            Path(plan_path).read_bytes())
+        if self.engine is None:
+            raise EngineDirError(f"{plan_path}: {backend} could not deserialize the plan (see the log above)")
+        self.context = self.engine.create_execution_context()
+        names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
+        mode = trt.TensorIOMode.INPUT
+        self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == mode]
+        self.outputs = [n for n in names if self.engine.get_tensor_mode(n) != mode]
+        dt = trt.DataType
+        self._dtype = {dt.FLOAT: torch.float32, dt.HALF: torch.float16, dt.BF16: torch.bfloat16,
+                       dt.INT64: torch.int64, dt.INT32: torch.int32, dt.BOOL: torch.bool}
+
+    def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        keep = []
+        for name in self.inputs:
+            t = feeds[name].to("cuda", self._dtype[self.engine.get_tensor_dtype(name)]).contiguous()
+            keep.append(t)
+            self.context.set_input_shape(name, tuple(t.shape))
+            self.context.set_tensor_address(name, t.data_ptr())
+        outs = {}
+        for name in self.outputs:
+            shape = tuple(self.context.get_tensor_shape(name))
+            outs[name] = torch.empty(shape, dtype=self._dtype[self.engine.get_tensor_dtype(name)], device="cuda")
+            self.context.set_tensor_address(name, outs[name].data_ptr())
+        stream = torch.cuda.current_stream()
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise RuntimeError("TensorRT execute_async_v3 failed")
+        stream.synchronize()
+        return {k: v.cpu() for k, v in outs.items()}
+
+
+# ------------------------------------------------------------------------------ runner
+class GraphDraftRunner:
+    """Runner over the two graphs of an engine directory; `sessions` = (context, draft)."""
+
+    def __init__(self, manifest: dict, sessions, num_slots: int, capacity: int = 256):
+        cfg = lilicorr_config(manifest)
+        d = cfg.drafter
+        self.manifest = manifest
+        self.model = SimpleNamespace(cfg=cfg)          # the engine reads model.cfg.drafter.target_layer_ids
+        self._has_head = not cfg.vanilla
+        self._ctx, self._draft = sessions
+        self.num_layers = d.num_layers
+        self._ctx_out = context_io_names(d.num_layers)[1]
+        self.cache = KVCache(d.num_layers, num_slots, d.num_kv_heads, d.head_dim, capacity, torch.float32, "cpu")
+
+    @property
+    def block_size(self) -> int:
+        return self.model.cfg.drafter.block_size
+
+    @property
+    def has_head(self) -> bool:
+        return self._has_head
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    def context_length(self, slot: int) -> int:
+        return int(self.cache.lengths[slot])
+
+    def truncate(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache.truncate(slots, lengths)
+
+    @torch.no_grad()
+    def append_context(self, slots: torch.Tensor, feats: list[torch.Tensor], start_pos: torch.Tensor) -> None:
+        """slots [N]; feats[i] [T_i, n, H] target features at positions start_pos[i] + t."""
+        x, valid = pad_ragged(feats)                                            # [N, T, n, H]
+        pos = start_pos[:, None].long() + torch.arange(x.shape[1])[None, :]     # [N, T]
+        out = self._ctx.run({"captured": x.float(), "positions": pos})
+        self.cache.reserve(slots, x.shape[1])
+        start = self.cache.lengths[slots]
+        for layer in range(self.num_layers):
+            k, v = out[f"ctx_k_{layer}"], out[f"ctx_v_{layer}"]                 # [N, h, T, D]
+            self.cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), start, valid)
+        self.cache.advance(slots, valid)
+
+    @torch.no_grad()
+    def draft(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor,
+              target_state: torch.Tensor, rules: list[str]) -> Proposal:
+        """slots/anchors/anchor_pos [N]; target_state [N, n, H]; rules: one decode rule per row."""
+        bad = [r for r in rules if r not in ("lilicorr", "viterbi", "argmax")]
+        if bad:
+            raise ValueError(f"unknown decode rule {bad[0]!r} for a draft runner; choose from lilicorr, viterbi, argmax")
+        if not self._has_head and any(r != "argmax" for r in rules):
+            raise ValueError("decode rules lilicorr/viterbi need a LiLiCorr head; this engine is vanilla DFlash")
+        with stage(STAGE_DRAFT):
+            lengths = self.cache.lengths[slots]
+            upto = max(int(lengths.max()), 1)        # the graph needs C >= 1 (masked when length 0)
+            idx = self.cache.row_index(slots)
+            feeds = {"anchor_ids": anchors.long(), "anchor_pos": anchor_pos.long(), "ctx_lengths": lengths.clone()}
+            for layer in range(self.num_layers):
+                k, v = self.cache.read(layer, idx, upto)                          # [N, h, C, D]
+                feeds[f"ctx_k_{layer}"], feeds[f"ctx_v_{layer}"] = k, v
+            if self._has_head:
+                feeds["target_state"] = target_state.float()
+            out = self._draft.run(feeds)
+        with stage(STAGE_HEAD):
+            cand_ids = out["cand_ids"].long()                                      # [N, S, K]
+            tokens = out["tokens"].long().clone()                                  # [N, S]
+            a_s, p_s = out.get("anchor_scores"), out.get("pair_scores")
+            arg = [i for i, r in enumerate(rules) if r == "argmax"]
+            if arg:
+                tokens[arg] = cand_ids[arg, :, 0]
+            vit = [i for i, r in enumerate(rules) if r == "viterbi"]
+            if vit:
+                path = lattice.viterbi(a_s[vit], p_s[vit])                         # [M, S]
+                tokens[vit] = torch.gather(cand_ids[vit], -1, path[..., None]).squeeze(-1)
+        return Proposal(tokens=tokens, cand_ids=cand_ids, anchor_scores=a_s, pair_scores=p_s)
+
+
+class OrtDraftRunner(GraphDraftRunner):
+    """ONNX Runtime (CPU) over the engine's graphs: the ORT-optimised copies when the engine was
+    built for onnxruntime, else the portable context.onnx / draft.onnx (local functions)."""
+
+    def __init__(self, engine_dir, manifest: dict, num_slots: int, capacity: int = 256,
+                 threads: int | None = None):
+        engine_dir = Path(engine_dir)
+        ort_files = (manifest.get("onnxruntime") or {}).get("files") or {}
+        paths = []
+        for graph in ("context", "draft"):
+            name = ort_files.get(graph) or manifest["graphs"][graph]["file"]
+            if not (engine_dir / name).is_file():
+                raise EngineDirError(f"engine {engine_dir} is incomplete: {name} is missing")
+            paths.append(engine_dir / name)
+        super().__init__(manifest, [OrtSession(p, threads) for p in paths], num_slots, capacity)
+
+
+class TensorRTDraftRunner(GraphDraftRunner):
+    """The engine's TensorRT / TensorRT-RTX plans (GPU only; the draft plan with the plugins)."""
+
+    def __init__(self, engine_dir, manifest: dict, num_slots: int, capacity: int = 256):
+        engine_dir = Path(engine_dir)
+        backend = manifest["backend"]
+        plans = (manifest.get("tensorrt") or {}).get("plans") or {}
+        sessions = []
+        for graph in ("context", "draft"):
+            if graph not in plans:
+                raise EngineDirError(f"engine {engine_dir} has no {graph} plan for {backend}")
+            sessions.append(TensorRTSession(engine_dir / plans[graph]["file"], backend))
+        super().__init__(manifest, sessions, num_slots, capacity)

@@ -1,0 +1,145 @@
+"""`python deploy/serve.py --engine engines/NAME`: generate the model repository and run tritonserver.
+
+Runs until SIGTERM/SIGINT, then stops the server gracefully (in-flight requests get
+``--exit-timeout-secs``), removes its shared-memory regions and temporary folders, and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+from .launcher import ServerStartError, TritonServer, find_tritonserver
+from .repository import EngineSpec, ServeOptions, generate_repository, read_engine_manifest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_argument_group("what to serve (an engine dir, or a target + checkpoint)")
+    src.add_argument("--engine", help="engine directory made by convert/build_engine.py (has manifest.json)")
+    src.add_argument("--target", help="HF target folder (instead of --engine)")
+    src.add_argument("--ckpt", help="drafter+head checkpoint folder (with --target)")
+    src.add_argument("--untrained-seed", type=int, default=None,
+                     help="with --target and no --ckpt: an untrained drafter+head (smoke tests only)")
+    src.add_argument("--block-size", type=int, default=None, help="block size of the untrained drafter")
+    src.add_argument("--draft-backend", default=None, help="override the manifest's draft backend")
+    src.add_argument("--engine-factory", default="",
+                     help="testing: 'module:function(params)' building a stand-in engine, e.g. "
+                          "lilicorr.serving.testing:echo_engine")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    net.add_argument("--grpc-port", type=int, default=8001)
+    net.add_argument("--http-port", type=int, default=8000)
+    net.add_argument("--metrics-port", type=int, default=8002)
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--max-batch", type=int, default=32, help="concurrent sequences in the engine")
+    eng.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
+    eng.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
+    eng.add_argument("--default-max-tokens", type=int, default=128)
+    eng.add_argument("--default-rule", default="lilicorr", choices=["lilicorr", "viterbi", "argmax", "ar"])
+    eng.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    eng.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    eng.add_argument("--num-threads", type=int, default=0, help="torch threads in the engine (0: default)")
+    eng.add_argument("--no-chat-template", action="store_true",
+                     help="tokenize text_input raw instead of as a chat user message")
+    eng.add_argument("--profile", action="store_true",
+                     help="time the Table 3 stages in the engine thread (lilicorr_stage_seconds on /metrics)")
+    srv = p.add_argument_group("server")
+    srv.add_argument("--repo", help="write the model repository here and keep it (default: a temp dir)")
+    srv.add_argument("--tritonserver", choices=["auto", "wheel", "system"], default="auto",
+                     help="which binary: the nvidia-pytriton wheel's, or `tritonserver` on PATH (NGC)")
+    srv.add_argument("--log-verbose", type=int, default=0)
+    srv.add_argument("--exit-timeout", type=int, default=10, help="seconds in-flight requests get at shutdown")
+    srv.add_argument("--startup-timeout", type=float, default=600.0)
+    srv.add_argument("--print-repo", action="store_true", help="only generate the repository and print its path")
+    return p
+
+
+def spec_from_args(args: argparse.Namespace) -> EngineSpec:
+    if args.engine:
+        return read_engine_manifest(args.engine)
+    if not args.target:
+        raise SystemExit("serve: pass --engine DIR (or --target DIR [--ckpt DIR])")
+    return EngineSpec(target_dir=Path(args.target).resolve(),
+                      ckpt_dir=Path(args.ckpt).resolve() if args.ckpt else None,
+                      draft_backend=args.draft_backend or "torch")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    extra = {}
+    if args.untrained_seed is not None and not args.engine and not args.ckpt:
+        extra["untrained_seed"] = str(args.untrained_seed)
+    if args.block_size:
+        extra["block_size"] = str(args.block_size)
+    return ServeOptions(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
+                        max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
+                        default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
+                        num_threads=args.num_threads, draft_backend=args.draft_backend,
+                        chat_template=not args.no_chat_template, profile=args.profile,
+                        engine_factory=args.engine_factory, extra_parameters=extra)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    spec = spec_from_args(args)
+    opts = options_from_args(args)
+    tmp = None
+    if args.repo:
+        repo_dir = Path(args.repo)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="lilicorr-repo-")
+        repo_dir = Path(tmp.name)
+    try:
+        generate_repository(spec, repo_dir, opts)
+        if args.print_repo:
+            print(repo_dir)
+            if tmp is not None:
+                tmp = None  # keep it: the user asked for its path
+            return 0
+        stop = threading.Event()
+        received: list[int] = []
+
+        def on_signal(signum, frame):  # noqa: ARG001
+            received.append(signum)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, on_signal)
+        binary = find_tritonserver(args.tritonserver)
+        print(f"[serve] {binary.kind} tritonserver {binary.path}", flush=True)
+        print(f"[serve] repository {repo_dir} (target {spec.target_dir}, engine {spec.engine_dir})", flush=True)
+        server = TritonServer(repo_dir, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
+                              metrics_port=args.metrics_port, binary=binary, log_file="-",
+                              log_verbose=args.log_verbose, startup_timeout=args.startup_timeout,
+                              exit_timeout=args.exit_timeout)
+        server.abort = stop
+        try:
+            try:
+                server.start()
+            except ServerStartError:
+                if stop.is_set():
+                    print("[serve] interrupted during startup", flush=True)
+                    return 0
+                raise
+            print(f"[serve] ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}",
+                  flush=True)
+            while not stop.wait(0.5):
+                if server.proc is None or server.proc.poll() is not None:
+                    print(f"[serve] tritonserver exited unexpectedly (code "
+                          f"{server.proc.returncode if server.proc else None})", file=sys.stderr, flush=True)
+                    return 1
+            print(f"[serve] signal {received[0] if received else '?'}: shutting down", flush=True)
+        finally:
+            rc = server.stop()
+        print(f"[serve] stopped (tritonserver exit code {rc})", flush=True)
+        return 0
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

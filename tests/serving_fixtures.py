@@ -1,0 +1,140 @@
+"""Fixtures and helpers for tests/test_serving.py (imported there; conftest.py stays untouched).
+
+Two real tritonserver processes, session-scoped, on free loopback ports:
+* ``echo_server``: the full repository (pre/post-processing with the tiny target's tokenizer,
+  ensemble) with the deterministic `lilicorr.serving.testing.EchoEngine` behind the ``lilicorr``
+  model: fast server mechanics (errors, cancellation, 32 streams, metrics);
+* ``engine_server``: the same repository with the real SpecEngine (tiny random target, untrained
+  drafter + head, block size 4): outputs are compared with the offline engine.
+"""
+from __future__ import annotations
+
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from lilicorr.serving.client import LiLiCorrClient
+from lilicorr.serving.launcher import TritonServer, find_tritonserver
+from lilicorr.serving.repository import EngineSpec, ServeOptions, generate_repository
+
+BLOCK_SIZE = 4
+MAX_SEQ_LEN = 128          # the tiny target's max_position_embeddings
+ECHO_STEP_DELAY_S = 0.02
+
+
+def have_tritonserver() -> bool:
+    try:
+        find_tritonserver()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def have_engine() -> bool:
+    try:
+        import lilicorr.engine  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def start_server(repo: Path, **kwargs) -> TritonServer:
+    if not have_tritonserver():
+        pytest.skip("no tritonserver (install the serve extra)")
+    srv = TritonServer(repo, startup_timeout=300, **kwargs)
+    srv.start()
+    return srv
+
+
+def echo_options(**kw) -> ServeOptions:
+    return ServeOptions(max_batch=32, max_seq_len=MAX_SEQ_LEN, default_max_tokens=16,
+                        engine_factory="lilicorr.serving.testing:echo_engine",
+                        extra_parameters={"echo_step_delay_s": str(ECHO_STEP_DELAY_S)}, **kw)
+
+
+def engine_options(**kw) -> ServeOptions:
+    return ServeOptions(max_batch=32, max_seq_len=MAX_SEQ_LEN, default_max_tokens=16, num_threads=1,
+                        device="cpu", draft_backend="torch",
+                        extra_parameters={"untrained_seed": "0", "block_size": str(BLOCK_SIZE)}, **kw)
+
+
+@pytest.fixture(scope="session")
+def serving_target(tiny_target_dir) -> Path:
+    return tiny_target_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def echo_server(serving_target, tmp_path_factory):
+    repo = generate_repository(EngineSpec(target_dir=serving_target), tmp_path_factory.mktemp("echo-repo"),
+                               echo_options())
+    srv = start_server(repo)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def engine_server(serving_target, tmp_path_factory):
+    if not have_engine():
+        pytest.skip("lilicorr.engine not available yet")
+    repo = generate_repository(EngineSpec(target_dir=serving_target), tmp_path_factory.mktemp("engine-repo"),
+                               engine_options(profile=True))
+    srv = start_server(repo)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_engine(serving_target):
+    """The same engine the server runs, in the test process (the reference for greedy outputs)."""
+    if not have_engine():
+        pytest.skip("lilicorr.engine not available yet")
+    import torch
+
+    from lilicorr.engine import SpecEngine
+    torch.set_num_threads(1)
+    eng = SpecEngine.from_paths(serving_target, untrained_seed=0, block_size=BLOCK_SIZE, max_batch=8,
+                                max_seq_len=MAX_SEQ_LEN)
+    return eng
+
+
+@pytest.fixture(scope="session")
+def tokenizer(serving_target):
+    from lilicorr.tokenizer import Tokenizer
+    return Tokenizer.from_dir(serving_target)
+
+
+def client_for(srv: TritonServer, **kw) -> LiLiCorrClient:
+    return LiLiCorrClient(srv.grpc_url, timeout=120, **kw)
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels` (0.0 when absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})?\s+(\S+)$", line)
+        if not m:
+            continue
+        lab = m.group(1) or ""
+        if all(f'{k}="{v}"' in lab for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def metrics_text(srv: TritonServer) -> str:
+    status, text = http_get(srv.metrics_url)
+    assert status == 200
+    return text

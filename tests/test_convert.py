@@ -1,0 +1,371 @@
+"""convert/build_engine.py, lilicorr.export, lilicorr.engine_dir and the ONNX Runtime draft runner.
+
+Fast tests build one onnxruntime engine from an untrained checkpoint on the tiny Llama target
+(module fixture, ~30 s). TensorRT-RTX builds and the SmolLM2 check are marked slow.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from lilicorr import checkpoint as ckpt_io
+from lilicorr.engine_dir import EngineDirError, make_runner, read_manifest
+from lilicorr.model import untrained_model
+from lilicorr.target import load_target
+
+onnx = pytest.importorskip("onnx", reason="the onnx extra is not installed")
+pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
+pytest.importorskip("onnxscript", reason="the dynamo ONNX exporter needs onnxscript")
+
+from lilicorr.export import BuildOptions, build_engine_dir, plan_plugins  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = [[1, 5, 9, 12, 40], [1, 7, 7, 30], [1, 44, 50, 51, 52, 53, 54, 60, 61]]
+
+
+def _cli():
+    spec = importlib.util.spec_from_file_location("build_engine_cli", REPO / "convert" / "build_engine.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _save_untrained(target_dir: Path, out: Path, vanilla: bool = False, seed: int = 0) -> Path:
+    target = load_target(target_dir)
+    model = untrained_model(target, seed=seed, vanilla=vanilla)
+    return ckpt_io.save_checkpoint(out, model.cfg, model.state_dict(), target.config, {"step": 0})
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tiny_target_dir):
+    return tiny_target_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(llama_dir, tmp_path_factory):
+    return _save_untrained(llama_dir, tmp_path_factory.mktemp("convert") / "ckpt-tiny")
+
+
+@pytest.fixture(scope="module")
+def ort_engine(llama_dir, tiny_ckpt, tmp_path_factory):
+    out = tmp_path_factory.mktemp("engines") / "tiny-onnxruntime"
+    return build_engine_dir(tiny_ckpt, llama_dir, out, BuildOptions(log=None))
+
+
+# ------------------------------------------------------------------------------ build + manifest
+def test_manifest_fields(ort_engine, tiny_ckpt, llama_dir):
+    m = read_manifest(ort_engine, check_files=True)
+    cfg, _ = ckpt_io.read_config(tiny_ckpt)
+    assert m["format"] == "lilicorr-engine" and m["backend"] == "onnxruntime"
+    assert m["checkpoint"]["sha256"] == ckpt_io.file_sha256(tiny_ckpt / "model.safetensors")
+    assert Path(m["checkpoint"]["path"]).resolve() == tiny_ckpt.resolve()   # outside the repo: absolute
+    assert Path(m["target_dir"]) == Path(llama_dir).resolve()
+    t = m["target"]
+    assert t["fingerprint"] == ckpt_io.target_fingerprint(load_target(llama_dir).config)
+    assert len(t["tokenizer_sha256"]) == 64 and len(t["frozen_sha256"]) == 64
+    d, h = cfg.drafter, cfg.head
+    assert m["shapes"] == {"H": 64, "n": d.num_target_layers_captured, "layers": d.num_layers,
+                           "heads": d.num_heads, "kv_heads": d.num_kv_heads, "head_dim": d.head_dim,
+                           "V": 96, "B": d.block_size, "S": d.block_size - 1, "K": h.top_k,
+                           "E": h.embed_dim, "target_layer_ids": d.target_layer_ids}
+    assert (m["block_size"], m["top_k"], m["sigma"], m["has_head"]) == (d.block_size, h.top_k, h.sigma, True)
+    assert m["opset"] == 20 and m["onnx"]["custom_ops"] == ["GreedyWalk", "LatticeMatch"]
+    for tool in ("torch", "onnx", "onnxruntime", "onnxscript", "python"):
+        assert m["tools"][tool]
+    assert m["created"].endswith("+00:00")
+    assert set(m["files"]) >= {"context.onnx", "draft.onnx", "context.ort.onnx", "draft.ort.onnx",
+                               "config.json", "model.yaml"}
+    v = m["validation"]
+    assert v["max_abs_err"] < 1e-4 and v["optimized"]["max_abs_err"] < 1e-4
+    assert v["draft"]["tokens_equal"] and v["draft"]["cand_ids_equal"]
+    assert {c["N"] for c in v["draft"]["cases"]} >= {1, 8} and len({c["C"] for c in v["draft"]["cases"]}) >= 3
+    assert v["draft"]["pair_scores_max_abs_err"] < 1e-4
+    print(f"\nvalidation max_abs_err: context {v['context']['max_abs_err']:.3g}, anchor_scores "
+          f"{v['draft']['anchor_scores_max_abs_err']:.3g}, pair_scores {v['draft']['pair_scores_max_abs_err']:.3g}")
+
+
+def test_model_yaml(ort_engine, tiny_ckpt):
+    yaml = pytest.importorskip("yaml")
+    doc = yaml.safe_load((ort_engine / "model.yaml").read_text())
+    cfg, _ = ckpt_io.read_config(tiny_ckpt)
+    assert doc["backend"] == "pytorch" and Path(doc["model"]).is_dir()
+    assert doc["speculative_config"]["decoding_type"] == "DFlash"
+    assert doc["speculative_config"]["max_draft_len"] == cfg.drafter.block_size - 1
+    assert doc["lilicorr"]["top_k"] == cfg.head.top_k and doc["lilicorr"]["sigma"] == cfg.head.sigma
+    assert doc["lilicorr"]["block_size"] == cfg.drafter.block_size
+
+
+def test_draft_graph_has_plugin_nodes(ort_engine, tiny_ckpt):
+    from lilicorr.plugins.onnx_functions import lilicorr_nodes
+
+    cfg, _ = ckpt_io.read_config(tiny_ckpt)
+    model = onnx.load(str(ort_engine / "draft.onnx"))
+    onnx.checker.check_model(model)
+    nodes = {n.op_type: n for n in lilicorr_nodes(model)}
+    assert set(nodes) == {"LatticeMatch", "GreedyWalk"}
+    for n in nodes.values():
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        assert n.domain == "lilicorr"
+        assert attrs["plugin_namespace"] == b"lilicorr" and attrs["plugin_version"] == b"1"
+    sigma = onnx.helper.get_attribute_value(next(a for a in nodes["LatticeMatch"].attribute if a.name == "sigma"))
+    assert sigma == pytest.approx(cfg.head.sigma)
+    assert {(f.domain, f.name) for f in model.functions} == {("lilicorr", "LatticeMatch"), ("lilicorr", "GreedyWalk")}
+    # the context graph and the ORT-optimised graphs carry no custom nodes
+    for name in ("context.onnx", "draft.ort.onnx"):
+        assert not lilicorr_nodes(onnx.load(str(ort_engine / name)))
+    inputs = [i.name for i in model.graph.input]
+    assert inputs[:3] == ["anchor_ids", "anchor_pos", "ctx_lengths"] and inputs[-1] == "target_state"
+    assert [o.name for o in model.graph.output] == ["tokens", "cand_ids", "anchor_scores", "pair_scores"]
+
+
+# ------------------------------------------------------------------------------ runtime
+def test_ort_runner_matches_torch_runner(ort_engine, tiny_ckpt, llama_dir):
+    """Same appends / rollbacks / drafts on both runners -> identical proposals."""
+    from lilicorr.draft_runner import TorchDraftRunner
+    from lilicorr.model import load_model
+    from lilicorr.ort_runner import OrtDraftRunner
+
+    target = load_target(llama_dir)
+    ref = TorchDraftRunner(load_model(tiny_ckpt, target), 4)
+    ort = make_runner(ort_engine, target, 4, backend="onnxruntime", target_dir=llama_dir)
+    assert isinstance(ort, OrtDraftRunner) and ort.block_size == ref.block_size and ort.has_head
+    n = ref.model.cfg.drafter.num_target_layers_captured
+    g = torch.Generator().manual_seed(0)
+    slots = torch.tensor([ref.allocate() for _ in range(3)])
+    assert [ort.allocate() for _ in range(3)] == slots.tolist()
+    lens = [5, 2, 9]
+    for step in range(3):
+        feats = [torch.randn(t, n, 64, generator=g) for t in lens]
+        start = torch.tensor([ref.context_length(int(s)) for s in slots])
+        for r in (ref, ort):
+            r.append_context(slots, feats, start)
+        if step == 1:   # roll two rows back
+            for r in (ref, ort):
+                r.truncate(slots[:2], torch.tensor([3, 4]))
+        anchors = torch.randint(0, 96, (3,), generator=g)
+        apos = torch.tensor([ref.context_length(int(s)) for s in slots])
+        state = torch.randn(3, n, 64, generator=g)
+        rules = [["lilicorr", "viterbi", "argmax"], ["viterbi"] * 3, ["lilicorr"] * 3][step]
+        a = ref.draft(slots, anchors, apos, state, rules)
+        b = ort.draft(slots, anchors, apos, state, rules)
+        assert torch.equal(a.cand_ids, b.cand_ids) and torch.equal(a.tokens, b.tokens), step
+        assert [ref.context_length(int(s)) for s in slots] == [ort.context_length(int(s)) for s in slots]
+        lens = [1, 3, 2]
+    ort.free(int(slots[0]))
+    assert ort.allocate() == int(slots[0]) and ort.context_length(int(slots[0])) == 0
+
+
+def test_engine_ort_equals_torch(ort_engine, llama_dir):
+    """Greedy verification through SpecEngine: ONNX Runtime and PyTorch drafters give the same
+    drafts step by step and the same tokens (= the target's greedy output)."""
+    from lilicorr.engine import SpecEngine
+
+    def run(backend):
+        eng = SpecEngine.from_paths(llama_dir, engine_dir=ort_engine, draft_backend=backend, max_batch=4,
+                                    max_seq_len=128)
+        drafts = []
+        inner = eng.runner.draft
+
+        def spy(*args, **kw):
+            p = inner(*args, **kw)
+            drafts.append(p.tokens.clone())
+            return p
+        eng.runner.draft = spy
+        out = {rule: [r.tokens for r in eng.generate(PROMPTS, 12, rule=rule)]
+               for rule in ("lilicorr", "viterbi", "argmax")}
+        return out, drafts
+
+    (tok_t, dr_t), (tok_o, dr_o) = run("torch"), run("onnxruntime")
+    ar = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128).generate(PROMPTS, 12, rule="ar")
+    assert tok_t == tok_o
+    for rule in tok_t:
+        assert tok_o[rule] == [r.tokens for r in ar], rule
+    assert len(dr_t) == len(dr_o) and all(torch.equal(a, b) for a, b in zip(dr_t, dr_o))
+
+
+def test_make_runner_errors(ort_engine, tiny_ckpt, llama_dir, tiny_target_dir, tmp_path):
+    target = load_target(llama_dir)
+    with pytest.raises(ValueError, match="unknown draft backend"):
+        make_runner(ort_engine, target, 2, backend="nope")
+    with pytest.raises(EngineDirError, match="no 'tensorrt' plans|built for 'onnxruntime'"):
+        make_runner(ort_engine, target, 2, backend="tensorrt")
+    with pytest.raises(EngineDirError, match="another target"):
+        make_runner(ort_engine, load_target(tiny_target_dir("qwen3")), 2, backend="onnxruntime")
+    yarn = load_target(llama_dir, yarn_factor=2.0)
+    with pytest.raises(EngineDirError, match="rope_scaling"):
+        make_runner(ort_engine, yarn, 2, backend="onnxruntime")
+    with pytest.raises(EngineDirError, match="not an engine directory"):
+        make_runner(tmp_path, target, 2)
+    # torch backend: the checkpoint named by the manifest must be unchanged
+    import shutil
+    eng2 = tmp_path / "eng"
+    shutil.copytree(ort_engine, eng2)
+    ck2 = tmp_path / "ck"
+    shutil.copytree(tiny_ckpt, ck2)
+    m = json.loads((eng2 / "manifest.json").read_text())
+    m["checkpoint"]["path"] = str(ck2)
+    (eng2 / "manifest.json").write_text(json.dumps(m))
+    assert make_runner(eng2, target, 2, backend="torch").has_head
+    _save_untrained(llama_dir, ck2, seed=1)
+    with pytest.raises(EngineDirError, match="changed since the engine was built"):
+        make_runner(eng2, target, 2, backend="torch")
+    (eng2 / "draft.ort.onnx").unlink()
+    with pytest.raises(EngineDirError, match="draft.ort.onnx is missing"):
+        make_runner(eng2, target, 2, backend="onnxruntime")
+
+
+# ------------------------------------------------------------------------------ bad input
+def _corrupt(kind: str, ckpt: Path, tmp: Path) -> Path:
+    import shutil
+    bad = tmp / f"ckpt-{kind}"
+    shutil.copytree(ckpt, bad)
+    if kind == "config":
+        (bad / "config.json").write_text("{not json")
+    elif kind == "weights":
+        data = (bad / "model.safetensors").read_bytes()
+        (bad / "model.safetensors").write_bytes(data[: len(data) // 3])
+    elif kind == "meta":
+        (bad / "meta.json").unlink()
+    return bad
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("missing", "does not exist"),
+    ("config", "config.json is corrupt"),
+    ("weights", "truncated or corrupt"),
+    ("meta", "meta.json is missing"),
+    ("target", "trained for another target"),
+    ("target_dir", "not an HF folder"),
+    ("backend", "unknown backend 'tflite'"),
+    ("out", "not an engine directory"),
+    ("out_is_ckpt", "would replace the checkpoint"),
+])
+def test_bad_input_clear_error_nothing_written(case, needle, tiny_ckpt, llama_dir, tiny_target_dir, tmp_path, capsys):
+    ckpt, target, out, backend = tiny_ckpt, llama_dir, tmp_path / "engines" / "x", "onnxruntime"
+    if case == "missing":
+        ckpt = tmp_path / "nope"
+    elif case in ("config", "weights", "meta"):
+        ckpt = _corrupt(case, tiny_ckpt, tmp_path)
+    elif case == "target":
+        target = tiny_target_dir("qwen3")
+    elif case == "target_dir":
+        target = tmp_path / "empty-target"
+        target.mkdir()
+    elif case == "backend":
+        backend = "tflite"
+    elif case == "out":
+        out.mkdir(parents=True)
+        (out / "notes.txt").write_text("keep me")
+    elif case == "out_is_ckpt":
+        ckpt = _corrupt("copy", tiny_ckpt, tmp_path)
+        out = ckpt
+    before = sorted(p.name for p in out.parent.iterdir()) if out.parent.exists() else None
+    rc = _cli().main(["--ckpt", str(ckpt), "--target", str(target), "--out", str(out), "--backend", backend])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err, err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    if case == "out":
+        assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+    elif case == "out_is_ckpt":
+        assert (out / "model.safetensors").is_file() and not (out / "manifest.json").exists()
+    else:
+        assert not out.exists()
+    after = sorted(p.name for p in out.parent.iterdir()) if out.parent.exists() else None
+    assert before == after      # no temp folders left behind
+
+
+def test_failure_mid_build_leaves_old_engine(ort_engine, tiny_ckpt, llama_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from lilicorr import export
+
+    out = tmp_path / "eng"
+    shutil.copytree(ort_engine, out)
+    before = (out / "manifest.json").read_text()
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated exporter crash")
+    monkeypatch.setattr(export, "export_draft", boom)
+    with pytest.raises(RuntimeError, match="simulated"):
+        build_engine_dir(tiny_ckpt, llama_dir, out, BuildOptions(log=None))
+    assert (out / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eng"]
+
+
+def test_tensorrt_backend_missing(tiny_ckpt, llama_dir, tmp_path, capsys):
+    if importlib.util.find_spec("tensorrt") is not None:
+        pytest.skip("tensorrt is installed here; the missing-module path cannot be exercised")
+    out = tmp_path / "trt"
+    rc = _cli().main(["--ckpt", str(tiny_ckpt), "--target", str(llama_dir), "--out", str(out),
+                      "--backend", "tensorrt"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "`tensorrt`" in err and "not importable" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_vanilla_exports_without_plugin_nodes(llama_dir, tmp_path):
+    from lilicorr.export import export_draft, validate_onnxruntime, export_context
+    from lilicorr.plugins.onnx_functions import lilicorr_nodes
+
+    model = untrained_model(load_target(llama_dir), vanilla=True)
+    proto = export_draft(model, tmp_path / "draft.onnx")
+    export_context(model, tmp_path / "context.onnx")
+    assert not lilicorr_nodes(proto) and not list(proto.functions)
+    assert [o.name for o in proto.graph.output] == ["tokens", "cand_ids"]
+    assert "target_state" not in [i.name for i in proto.graph.input]
+    rep = validate_onnxruntime(model, tmp_path / "context.onnx", tmp_path / "draft.onnx",
+                               draft_cases=((1, 1), (3, 7)), context_cases=((2, 3),))
+    assert rep["draft"]["tokens_equal"] and rep["draft"]["cand_ids_equal"] and rep["max_abs_err"] < 1e-4
+
+
+# ------------------------------------------------------------------------------ TensorRT-RTX
+@pytest.mark.slow
+def test_tensorrt_rtx_build_with_plugins_and_functions(tiny_ckpt, llama_dir, tmp_path):
+    if importlib.util.find_spec("tensorrt_rtx") is None:
+        pytest.skip("tensorrt_rtx is not installed (pip install 'lilicorr[tensorrt-rtx]')")
+    from lilicorr.plugins.trt_build import check_rtx_parser_library
+    try:
+        check_rtx_parser_library()
+    except RuntimeError as e:
+        pytest.skip(f"TensorRT-RTX's parser library link is missing (scripts/install.sh makes it): {e}")
+    out = tmp_path / "tiny-rtx"
+    build_engine_dir(tiny_ckpt, llama_dir, out, BuildOptions(backend="tensorrt-rtx", max_batch=8,
+                                                             max_context=256, log=None))
+    m = read_manifest(out, check_files=True)
+    plans = m["tensorrt"]["plans"]
+    assert m["backend"] == "tensorrt-rtx" and m["tensorrt"]["module"] == "tensorrt_rtx"
+    assert set(plans) == {"context", "draft", "draft_functions"}
+    draft, funcs = plans["draft"], plans["draft_functions"]
+    assert draft["use_plugins"] and draft["plugins"] == ["GreedyWalk", "LatticeMatch"]
+    assert sorted(p for _, p in draft["network_plugin_layers"]) == ["GreedyWalk", "LatticeMatch"]
+    assert not funcs["use_plugins"] and funcs["plugins"] == [] and funcs["network_plugin_layers"] == []
+    assert plans["context"]["plugins"] == []
+    assert draft["compute_capabilities"] == ["SM80", "SM86", "SM89", "SM120"]
+    assert plan_plugins((out / "draft.plan").read_bytes()) == ["GreedyWalk", "LatticeMatch"]
+    assert plan_plugins((out / "draft.functions.plan").read_bytes()) == []
+    assert b"lilicorr" in (out / "draft.plan").read_bytes()
+    # the engine dir still runs on CPU through its ONNX graphs
+    runner = make_runner(out, load_target(llama_dir), 2, backend="onnxruntime")
+    assert runner.has_head
+
+
+# ------------------------------------------------------------------------------ SmolLM2
+@pytest.mark.slow
+def test_smollm2_ort_equals_torch(smollm2_dir, tmp_path):
+    from lilicorr.engine import SpecEngine
+
+    ckpt = _save_untrained(smollm2_dir, tmp_path / "ckpt-smollm2")
+    out = build_engine_dir(ckpt, smollm2_dir, tmp_path / "smollm2-onnxruntime", BuildOptions(log=None))
+    m = read_manifest(out)
+    assert m["validation"]["max_abs_err"] < 1e-3 and m["validation"]["draft"]["tokens_equal"]
+    prompts = [[1, 504, 3458, 282, 4350, 314], [1, 28120, 905, 30, 2665]]
+    res = {}
+    for backend in ("torch", "onnxruntime"):
+        eng = SpecEngine.from_paths(smollm2_dir, engine_dir=out, draft_backend=backend, max_batch=2, max_seq_len=256)
+        res[backend] = [r.tokens for r in eng.generate(prompts, 16, rule="lilicorr")]
+    assert res["torch"] == res["onnxruntime"]
