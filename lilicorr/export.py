@@ -145,6 +145,48 @@ def _save(proto, path: Path, param_bytes: int) -> None:
         onnx.save(proto, str(path))
 
 
+def dedupe_initializers(proto) -> int:
+    """Merge initializers with identical type, shape and bytes (the frozen target embedding is
+    lifted once for the drafter and once for the head). Returns the number removed."""
+    import hashlib
+
+    from onnx import numpy_helper
+
+    first: dict[tuple, str] = {}
+    rename: dict[str, str] = {}
+    keep = []
+    for init in proto.graph.initializer:
+        data = init.raw_data or numpy_helper.to_array(init).tobytes()
+        key = (init.data_type, tuple(init.dims), hashlib.sha256(data).hexdigest())
+        if key in first:
+            rename[init.name] = first[key]
+        else:
+            first[key] = init.name
+            keep.append(init)
+    if not rename:
+        return 0
+    del proto.graph.initializer[:]
+    proto.graph.initializer.extend(keep)
+    from onnx import AttributeProto
+
+    def walk(graph):
+        for node in graph.node:
+            for i, name in enumerate(node.input):
+                if name in rename:
+                    node.input[i] = rename[name]
+            for a in node.attribute:      # subgraphs may read outer-scope initializers
+                if a.type == AttributeProto.GRAPH:
+                    walk(a.g)
+                elif a.type == AttributeProto.GRAPHS:
+                    for g in a.graphs:
+                        walk(g)
+    walk(proto.graph)
+    for out in proto.graph.output:
+        if out.name in rename:
+            raise RuntimeError(f"initializer {out.name} is a graph output; cannot merge it")
+    return len(rename)
+
+
 def _param_bytes(module: nn.Module, extra=()) -> int:
     tensors = {id(p): p for p in module.parameters()}
     tensors.update({id(t): t for t in extra})
@@ -189,6 +231,7 @@ def export_draft(model, path) -> "onnx.ModelProto":
     if has_head:
         shapes.append({0: n_dim})
     proto = _onnx_export(DraftGraph(model), args, tuple(shapes), ins, outs)
+    dedupe_initializers(proto)
     if has_head:
         onnx_functions.add_local_functions(proto)
     proto.doc_string = ("lilicorr draft block: anchor + cached context K/V -> drafted tokens (greedy walk), "

@@ -31,11 +31,14 @@ def target_of(path) -> "torch.nn.Module":
     return load_target(Path(path))
 
 
-def small_model(target, block_size: int, top_k: int = 8, seed: int = 0, vanilla: bool = False) -> LiLiCorrModel:
-    """An untrained drafter + head (the `cpu` preset) with a chosen block size and pool size."""
+def small_model(target, block_size: int, top_k: int = 4, seed: int = 0, vanilla: bool = False) -> LiLiCorrModel:
+    """An untrained drafter + head, the `cpu` preset shrunk for fast tests (1 draft layer, head
+    width 64, d_e 32), with a chosen block size and pool size."""
     cfg = preset("cpu")
     cfg.drafter.block_size = block_size
+    cfg.drafter.num_layers = 1
     cfg.head.top_k = top_k
+    cfg.head.width, cfg.head.num_heads, cfg.head.ffn_width, cfg.head.embed_dim = 64, 2, 128, 32
     cfg.vanilla = vanilla
     cfg.drafter = cfg.drafter.for_target(target.config)
     torch.manual_seed(seed)

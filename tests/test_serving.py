@@ -579,16 +579,22 @@ def test_clean_shutdown_leaves_nothing(serving_target, tmp_path):
     workdir = srv.workdir
     prefix = srv.shm_prefix
     assert leftover_shm(prefix), "the python backend should have shm regions while running"
-    # a request still streaming at shutdown is answered (error or final), never left hanging
     client = client_for(srv)
+    # failed and cancelled ensemble requests must not leave the ensemble "in flight"
+    for bad in (dict(prompt=""), dict(prompt="hi", max_tokens=0)):
+        with pytest.raises(GenerationError):
+            client.generate(**bad)
     gs = client.stream("hello", max_tokens=100, decode_rule="ar")
     next(iter(gs))
+    gs.cancel()
+    # a request still streaming at shutdown completes (stop() drains the ensemble first)
+    gs = client.stream("hello", max_tokens=60, decode_rule="ar")
+    next(iter(gs))
+    t0 = time.time()
     rc = srv.stop()
-    try:
-        gs.result()
-    except GenerationError:
-        pass
-    gs.close()
+    res = gs.result()
+    assert res.finish_reason == "length" and res.num_tokens == 60
+    assert time.time() - t0 < 25
     assert rc == 0, srv.log_tail()
     assert leftover_shm(prefix) == []
     assert not workdir.exists()

@@ -374,6 +374,21 @@ def test_cli_margin_sets_mu_and_rho(target_dir, data_file, tmp_path):
     assert json.loads((plain / ckpt_io.CONFIG).read_text())["lilicorr"]["loss"]["mu"] == 0.0
 
 
+def test_cli_with_offline_feature_store(target_dir, data_file, tmp_path, capsys):
+    cli = train_cli()
+    feats = tmp_path / "features"
+    base = ["--target", str(target_dir), "--data", str(data_file), "--steps", "1", "--features", str(feats),
+            *CLI_SMALL]
+    assert cli.main([*base, "--out", str(tmp_path / "a")]) == 0
+    assert (feats / "meta.json").is_file() and ckpt_io.read_meta(tmp_path / "a")["step"] == 1
+    assert cli.main([*base, "--out", str(tmp_path / "b")]) == 0                # reuses the store
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"id": "x", "prompt_ids": [7, 8], "completion_ids": [9, 10, 11]}) + "\n")
+    capsys.readouterr()
+    rc = cli.main([*base[:2], "--data", str(other), *base[4:], "--out", str(tmp_path / "c")])
+    assert rc == 2 and "does not match the training data" in capsys.readouterr().err
+
+
 def test_cli_bad_data_path_gives_clear_error(target_dir, tmp_path, capsys):
     cli = train_cli()
     missing = tmp_path / "nope.jsonl"

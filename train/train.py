@@ -101,8 +101,9 @@ def main(argv=None) -> int:
         cfg = build_config(args, target.config)
         seqs = load_sequences(args.data, cfg.train.seq_len)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
+        features = _feature_store(args.features, target, cfg, seqs, dist_info) if args.features else None
         trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info,
-                          micro_batch=args.micro_batch)
+                          micro_batch=args.micro_batch, features=features)
         resumed = trainer.resume(args.out)
     except (FileNotFoundError, ValueError, KeyError, ckpt_io.CheckpointError) as e:
         if dist_info.enabled:

@@ -108,6 +108,8 @@ class EngineLoop:
         self._running = threading.Event()
         self._thread: threading.Thread | None = None
         self._last_cancel_check = 0.0
+        self._stop_lock = threading.Lock()
+        self._stop_ids: set[str] = set()
 
     # ---------------------------------------------------------------- public
     def start(self) -> "EngineLoop":
@@ -121,6 +123,12 @@ class EngineLoop:
             job.sink.send_error(UNAVAILABLE, f"{job.label()}: the engine is shutting down")
             return
         self._inbox.put(job)
+
+    def cancel_request_id(self, request_id: str) -> None:
+        """Cancel the waiting/active job(s) with this client request id (thread-safe, next step)."""
+        if request_id:
+            with self._stop_lock:
+                self._stop_ids.add(request_id)
 
     def stop(self, timeout: float = 30.0) -> None:
         self._running.clear()
@@ -195,18 +203,22 @@ class EngineLoop:
 
     def _check_cancelled(self, force: bool) -> None:
         now = time.monotonic()
-        if not force and now - self._last_cancel_check < self.cancel_check_period_s:
+        with self._stop_lock:
+            stop_ids, self._stop_ids = self._stop_ids, set()
+        if not stop_ids and not force and now - self._last_cancel_check < self.cancel_check_period_s:
             return
         self._last_cancel_check = now
         for job in list(self._waiting):
-            if self._is_cancelled(job):
+            stopped = job.request_id in stop_ids
+            if stopped or self._is_cancelled(job):
                 self._waiting.remove(job)
-                self._finish_cancelled(job)
+                self._finish_cancelled(job, with_data=stopped)
         for rid, job in list(self._active.items()):
-            if self._is_cancelled(job):
+            stopped = job.request_id in stop_ids
+            if stopped or self._is_cancelled(job):
                 del self._active[rid]
                 self._cancel_in_engine(job)
-                self._finish_cancelled(job)
+                self._finish_cancelled(job, with_data=stopped)
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -277,14 +289,21 @@ class EngineLoop:
         except Exception:  # noqa: BLE001
             self.log(f"{job.label()}: engine.cancel failed: {traceback.format_exc()}")
 
-    def _finish_cancelled(self, job: Job, send: bool = True) -> None:
+    def _finish_cancelled(self, job: Job, send: bool = True, with_data: bool = False) -> None:
+        """FINAL is still required after a cancellation. A job stopped by request id (its
+        requester, e.g. an ensemble, is still listening) gets a last data response with
+        finish_reason "cancelled"; a job whose client is gone gets an empty FINAL."""
         job.done = True
         self.stats.requests_cancelled += 1
-        if send:
-            try:
-                job.sink.send_final()   # FINAL is still required after a cancellation
-            except Exception:  # noqa: BLE001
-                pass
+        if not send:
+            return
+        try:
+            if with_data:
+                job.sink.send(job.outputs([], True, "cancelled"), True)
+            else:
+                job.sink.send_final()
+        except Exception:  # noqa: BLE001
+            pass
 
     def _fail(self, job: Job, code: str, message: str) -> None:
         job.done = True

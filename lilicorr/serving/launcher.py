@@ -243,9 +243,9 @@ class TritonServer:
             f"--backend-config=python,stub-timeout-seconds={self.stub_timeout}",
             f"--log-verbose={self.log_verbose}",
         ]
-        if self.models is not None:
-            cmd.append("--model-control-mode=explicit")
-            cmd += [f"--load-model={m}" for m in self.models]
+        # explicit mode: stop() drains ensembles through the repository API before SIGTERM
+        cmd.append("--model-control-mode=explicit")
+        cmd += [f"--load-model={m}" for m in (self.models or ["*"])]
         return cmd + self.extra_args
 
     def start(self) -> "TritonServer":
@@ -313,9 +313,64 @@ class TritonServer:
             return "(server log not captured)"
         return "\n".join(text.splitlines()[-n:])
 
+    def _http_post(self, path: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, str]:
+        import json
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, socket.timeout, OSError) as e:
+            return 0, str(e)
+
+    def ensemble_models(self) -> list[str]:
+        out = []
+        for cfg in sorted(self.model_repository.glob("*/config.pbtxt")):
+            text = cfg.read_text(errors="replace")
+            if 'platform: "ensemble"' in text or "platform:\"ensemble\"" in text.replace(" ", ""):
+                out.append(cfg.parent.name)
+        return out
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Unload the ensembles and wait until their in-flight requests are done.
+
+        Why: on SIGTERM tritonserver 2.51 stops accepting requests, including the internal ones an
+        ensemble creates for its next step, so an ensemble streaming from a decoupled step can
+        never finish and the server hits its exit timeout. Unloading the ensembles first lets
+        their in-flight streams complete (new ensemble requests are refused meanwhile).
+        """
+        import json
+        names = self.ensemble_models()
+        if not names or self.proc is None or self.proc.poll() is not None:
+            return True
+        for m in names:
+            self._http_post(f"/v2/repository/models/{m}/unload", timeout=5.0)
+        deadline = time.monotonic() + (timeout if timeout is not None else self.exit_timeout)
+        while time.monotonic() < deadline:
+            status, body = self._http_post("/v2/repository/index", {"ready": False}, timeout=5.0)
+            if status != 200:
+                return False
+            try:
+                states = {e.get("name"): e.get("state", "") for e in json.loads(body)}
+            except ValueError:
+                return False
+            if all(states.get(m, "UNAVAILABLE") != "READY" and states.get(m) != "UNLOADING" for m in names):
+                return True
+            time.sleep(0.1)
+        return False
+
     def stop(self, timeout: float | None = None) -> int | None:
-        """SIGTERM, wait (exit timeout + margin), SIGKILL the process group; remove shm and temp dirs."""
+        """Drain ensembles, SIGTERM, wait (exit timeout + margin), SIGKILL the process group;
+        remove our shared-memory regions and temp dirs."""
         rc = None
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                self.drain()
+            except Exception:  # noqa: BLE001 - draining is best effort; SIGTERM follows anyway
+                pass
         if self.proc is not None:
             wait = timeout if timeout is not None else self.exit_timeout + 20
             if self.proc.poll() is None:

@@ -4,7 +4,9 @@ execute() validates each request and hands it to the engine thread (lilicorr.ser
 which batches every active request into engine.step() calls and streams each step's new tokens
 through the request's response sender. A FINAL flag always closes a request: with its last data,
 with an INVALID_ARG/INTERNAL error (the message names the request id), or empty after the client
-cancelled (sender.is_cancelled() -> engine.cancel(rid)).
+cancelled (sender.is_cancelled() -> engine.cancel(rid)), or after a `stop=true` request with the
+same request id (how postprocessing cancels through the ensemble: Triton 2.51 does not propagate a
+client's cancellation to an ensemble step that is already running).
 
 Outputs per response: output_ids (new tokens; all tokens when stream=false), context_ids (a
 window of earlier tokens, for the detokenizer), is_final, cumulative num_accepted (incl. bonus),
@@ -183,6 +185,11 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sink = SenderSink(request.get_response_sender())
+            stop = pb_utils.get_input_tensor_by_name(request, "stop")
+            if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
+                self.loop.cancel_request_id(request.request_id())
+                sink.send_final()
+                continue
             try:
                 job = self._job(request, sink)
             except Exception as e:  # noqa: BLE001 - never raise: that would fail the whole batch

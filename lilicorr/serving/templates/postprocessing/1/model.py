@@ -1,6 +1,16 @@
 """postprocessing: streamed token deltas -> text deltas (stateless, see protocol.text_delta).
 
 Concatenating every text_output of a request gives tokenizer.decode(all output tokens).
+
+Cancellation through the ensemble: when a client cancels an ensemble request, Triton 2.51 marks
+only the ensemble's *next* step request as cancelled (core "Ensemble scheduler request
+cancellation"), never the `lilicorr` request that is already streaming. That next step is this
+model, so a cancelled request here sends `stop=true` with the same request id to `lilicorr`
+(BLS), which frees the sequence in the engine.
+
+This model never answers with an error: in 2.51 an error from a step downstream of a still
+streaming decoupled step leaves the ensemble request in flight forever (observed: the server then
+cannot shut down). Failures are logged and answered with an empty text delta.
 """
 import json
 
@@ -21,20 +31,41 @@ class TritonPythonModel:
     def initialize(self, args):
         params = model_parameters(json.loads(args["model_config"]))
         self.tokenizer = Tokenizer.from_dir(params["target_dir"])
+        self.engine_model = params.get("engine_model") or "lilicorr"
+
+    def stop_upstream(self, request_id):
+        if not request_id:
+            return
+        stop = pb_utils.InferenceRequest(
+            model_name=self.engine_model, request_id=request_id, requested_output_names=[],
+            inputs=[pb_utils.Tensor("input_ids", np.zeros([1], dtype=np.int32)),
+                    pb_utils.Tensor("stop", np.ones([1], dtype=bool))])
+        for _ in stop.exec(decoupled=True):
+            pass
 
     def execute(self, requests):
         responses = []
         for request in requests:
+            if request.is_cancelled():
+                try:
+                    self.stop_upstream(request.request_id())
+                except Exception as e:  # noqa: BLE001
+                    pb_utils.Logger.log_warn(f"could not stop request {request.request_id()!r}: {e}")
+                responses.append(self.text_response(""))
+                continue
             try:
                 new = _ids(request, "output_ids")
                 ctx = _ids(request, "context_ids")
                 fin = pb_utils.get_input_tensor_by_name(request, "is_final")
                 final = True if fin is None else bool(fin.as_numpy().reshape(-1)[0])
                 text = text_delta(self.tokenizer, ctx, new, final)
-                responses.append(pb_utils.InferenceResponse(output_tensors=[
-                    pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]))
-            except Exception as e:  # noqa: BLE001 - one bad chunk must not fail the batch
-                rid = request.request_id()
-                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    f"request {rid!r}: detokenization failed: {e}", pb_utils.TritonError.INTERNAL)))
+            except Exception as e:  # noqa: BLE001 - see the module docstring: never an error response
+                pb_utils.Logger.log_error(f"request {request.request_id()!r}: detokenization failed: {e}")
+                text = ""
+            responses.append(self.text_response(text))
         return responses
+
+    @staticmethod
+    def text_response(text):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))])

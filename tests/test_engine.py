@@ -1,0 +1,463 @@
+"""SpecEngine (DESIGN.md §5): greedy verification is lossless for every decode rule, batch mix and
+block size; partial acceptance, oracle and per-slot statistics are exact; continuous batching,
+rollback of both caches, bad input, stop tokens / EOS, YaRN and the stage timer (issue 6).
+
+Real components throughout (target, drafter, head, lattice rules, caches). The one test double is
+`ScriptedRunner` (tests/spec_helpers.py): the real TorchDraftRunner with scripted slot logits,
+which chooses the proposals so that acceptance paths with tau > 1 are exercised exactly.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lilicorr import profiling
+from lilicorr.draft_runner import TorchDraftRunner
+from lilicorr.engine import SpecEngine
+from lilicorr.model import untrained_model
+from lilicorr.profiling import BLOCK, STAGES, StageTimer, current_timer
+from lilicorr.target import load_target
+from lilicorr.tokenizer import Tokenizer
+
+from spec_helpers import (RULES, SPEC_RULES, Corruptor, ScriptedRunner, hf_greedy, random_prompts,
+                          run_requests, small_model, target_greedy, target_of)
+
+pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+PROMPT_LENS = (1, 11, 5, 17)          # ragged, including a one-token prompt
+MAX_TOKENS = (13, 6, 19, 9)           # different per request
+
+
+def _mixed_requests(prompts, max_tokens, rules=RULES, at=None):
+    """Every prompt under every rule, interleaved so that each engine batch mixes rules."""
+    reqs = []
+    for p, m in zip(prompts, max_tokens):
+        for rule in rules:
+            reqs.append(dict(prompt=p, max_tokens=m, rule=rule, key=len(reqs)))
+    if at is not None:
+        for i, r in enumerate(reqs):
+            r["at"] = at(i)
+    return reqs
+
+
+def _check_stats(r, evs, block_size, spec: bool):
+    """Result bookkeeping agrees with the step events (acceptance, per-slot, histogram, tau)."""
+    s = block_size - 1
+    assert evs[0].drafted == 0 and evs[0].accepted == 1              # prefill token
+    steps = evs[1:]
+    assert r.num_steps == len(steps)
+    assert r.accepted_tokens == sum(e.accepted for e in steps)
+    assert r.tokens == [t for e in evs for t in e.new_tokens]
+    assert sum(e.finished for e in evs) == 1 and evs[-1].finished
+    if r.num_steps:
+        assert math.isclose(r.tau, r.accepted_tokens / r.num_steps)
+    if not spec:
+        assert all(e.accepted == 1 and e.drafted == 0 for e in steps)
+        return
+    acc = [e.accepted - 1 for e in steps]                               # accepted drafts per step
+    assert all(e.drafted == s and 0 <= a <= s for e, a in zip(steps, acc))
+    assert r.slot_reached == [sum(a >= j for a in acc) for j in range(s)]
+    assert r.slot_accepted == [sum(a > j for a in acc) for j in range(s)]
+    assert r.accept_hist == [0] + [acc.count(k - 1) for k in range(1, block_size + 1)]
+    # the proposal always comes from the pool, so the oracle prefix covers the accepted drafts
+    assert r.oracle_accepted >= r.accepted_tokens
+
+
+# ---------------------------------------------------------------------------------- lossless
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lossless_untrained_drafter(tiny_target_dir, family, block_size):
+    """Mixed rules x ragged prompts x different max_tokens, 16 requests through 8 slots (so requests
+    join as others finish): every output equals transformers' greedy generate and rule `ar`."""
+    path = tiny_target_dir(family)
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(small_model(target, block_size, top_k=8), 8), max_batch=8)
+    prompts = random_prompts(PROMPT_LENS, target.config.vocab_size, seed=block_size)
+    reqs = _mixed_requests(prompts, MAX_TOKENS)
+    results, events = run_requests(engine, reqs)
+    for i, (req, r) in enumerate(zip(reqs, results)):
+        ref = hf_greedy(path, req["prompt"], req["max_tokens"])
+        assert r.tokens == ref, f"{req['rule']} request {i} diverges from transformers' greedy output"
+        assert r.finish_reason == "length" and r.prompt_len == len(req["prompt"])
+        _check_stats(r, events[i], block_size, spec=req["rule"] != "ar")
+    assert engine.num_active == 0 and engine.cache.num_free == 8 and engine.runner.cache.num_free == 8
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_lossless_with_partial_acceptance(tiny_target_dir, family, block_size):
+    """Scripted proposals along the target's greedy continuation with a corrupted slot: `argmax`
+    rows accept exactly the scripted number of drafts per step, lilicorr / viterbi rows pick with
+    the real head from pools of 2 that hold the true token; outputs stay equal to the reference,
+    tau > 1, and oracle / per-slot / histogram statistics are exact."""
+    path = tiny_target_dir(family)
+    target = target_of(path)
+    vocab = target.config.vocab_size
+    prompts = random_prompts(PROMPT_LENS, vocab, seed=100 + block_size)
+    reqs = _mixed_requests(prompts, MAX_TOKENS, at=lambda i: i % 3)
+    truths = {r["key"]: r["prompt"] + hf_greedy(path, r["prompt"], r["max_tokens"] + block_size) for r in reqs}
+    script = Corruptor(truths, vocab, block_size, top_k=2, seed=block_size)
+    runner = ScriptedRunner(small_model(target, block_size, top_k=2), 8, script)
+    engine = SpecEngine(target, runner, max_batch=8)
+    results, events = run_requests(engine, reqs, runner=runner)
+    taus = {rule: [0, 0] for rule in SPEC_RULES}
+    for i, (req, r) in enumerate(zip(reqs, results)):
+        m = req["max_tokens"]
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][:m], f"{req['rule']} request {i}"
+        spec = req["rule"] != "ar"
+        _check_stats(r, events[i], block_size, spec)
+        if not spec:
+            continue
+        log = script.log[req["key"]]
+        steps = events[i][1:]
+        assert len(log) == len(steps) == r.num_steps
+        if req["rule"] == "argmax":   # the verifier accepts exactly the scripted prefix
+            assert [e.accepted - 1 for e in steps] == [c for _, c, _ in log]
+        # the oracle prefix: scripted coverage d, cut where the target's continuation is unknown
+        known = len(req["prompt"]) + 1 + sum(e.accepted for e in steps)
+        assert r.oracle_accepted == sum(min(d, known - pos - 1) + 1 for pos, _, d in log)
+        taus[req["rule"]][0] += r.accepted_tokens
+        taus[req["rule"]][1] += r.num_steps
+    assert taus["argmax"][0] / taus["argmax"][1] > 1 + 0.3 * (block_size - 1)
+    for rule, (acc, steps) in taus.items():      # the head's picks from pools of 2 accept less
+        assert acc / steps > 1.1, f"{rule}: tau {acc / steps:.2f} does not exercise multi-token acceptance"
+
+
+@pytest.mark.parametrize("runner_kind", ["untrained", "scripted"])
+def test_requests_joining_midway_do_not_change_outputs(tiny_target_dir, runner_kind):
+    """The same requests alone, all at once, and joining at scattered steps: identical tokens."""
+    path = tiny_target_dir("qwen3")
+    target = target_of(path)
+    b = 8
+    prompts = random_prompts((7, 2, 14, 4, 9), target.config.vocab_size, seed=7)
+    max_tokens = (20, 11, 6, 15, 9)
+    outputs = []
+    for schedule in ("alone", "together", "joining"):
+        reqs = _mixed_requests(prompts, max_tokens, rules=("lilicorr", "argmax", "ar"),
+                               at=(lambda i: 0) if schedule == "together" else (lambda i: (3 * i) % 7))
+        truths = {r["key"]: r["prompt"] + hf_greedy(path, r["prompt"], r["max_tokens"] + b) for r in reqs}
+        if runner_kind == "scripted":
+            runner = ScriptedRunner(small_model(target, b, top_k=2), 6,
+                                    Corruptor(truths, target.config.vocab_size, b, 2, seed=1, high_accept=True))
+        else:
+            runner = TorchDraftRunner(small_model(target, b), 6)
+        if schedule == "alone":
+            results = []
+            for r in reqs:
+                engine = SpecEngine(target, runner, max_batch=6)
+                results += run_requests(engine, [dict(r, at=0)], runner=runner if runner_kind == "scripted" else None)[0]
+        else:
+            engine = SpecEngine(target, runner, max_batch=6)
+            results = run_requests(engine, reqs, runner=runner if runner_kind == "scripted" else None)[0]
+        outs = [r.tokens for r in results]
+        assert outs == [truths[r["key"]][len(r["prompt"]):][: r["max_tokens"]] for r in reqs]
+        outputs.append(outs)
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_generate_matches_uncached_target_and_per_rule_batches(tiny_target_dir):
+    """generate(): homogeneous batches per rule (more prompts than slots) equal a cache-free greedy
+    loop over our own target."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 3), max_batch=3)
+    prompts = random_prompts((6, 3, 9, 1, 12), target.config.vocab_size, seed=3)
+    max_tokens = [8, 5, 3, 10, 7]
+    ref = [target_greedy(target, p, m) for p, m in zip(prompts, max_tokens)]
+    seen = []
+    for rule in RULES:
+        res = engine.generate(prompts, max_tokens, rule=rule, progress=seen.append)
+        assert [r.tokens for r in res] == ref, rule
+    assert sum(seen) == len(RULES) * sum(max_tokens)
+
+
+# ---------------------------------------------------------------------------------- rollback
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_rollback_matches_fresh_run_on_accepted_prefix(tiny_target_dir, block_size):
+    """After every step (rejections at scripted slots), each row's target KV cache up to its length
+    and its drafter context cache equal those computed from scratch on the accepted prefix."""
+    path = tiny_target_dir("qwen2")
+    target = target_of(path)
+    vocab = target.config.vocab_size
+    prompts = random_prompts((5, 12, 2), vocab, seed=11)
+    reqs = _mixed_requests(prompts, (14, 9, 17), rules=("argmax", "lilicorr"))
+    truths = {r["key"]: r["prompt"] + hf_greedy(path, r["prompt"], r["max_tokens"] + block_size) for r in reqs}
+    model = small_model(target, block_size, top_k=2)
+    runner = ScriptedRunner(model, 6, Corruptor(truths, vocab, block_size, 2, seed=5))
+    engine = SpecEngine(target, runner, max_batch=6)
+    drafter = model.drafter
+    capture = engine.capture
+    rids = {}
+    for r in reqs:
+        runner.expect(r["key"])
+        rids[engine.add_request(r["prompt"], r["max_tokens"], rule=r["rule"])] = r["key"]
+    checked = partial = 0
+    with torch.no_grad():
+        while engine.num_active:
+            events = engine.step()
+            partial += sum(0 < e.accepted < block_size for e in events if e.drafted)
+            for rid, seq in engine._seqs.items():
+                truth = truths[rids[rid]]
+                n = int(engine.cache.lengths[seq.tslot])
+                assert n == seq.anchor_pos, "target cache must hold exactly the tokens before the anchor"
+                assert truth[: n + 1] == seq.prompt + seq.tokens
+                # fresh target run on the accepted prefix
+                fresh = target.new_cache(1, capacity=8)
+                out = target(torch.tensor([truth[:n]]), torch.arange(n)[None], cache=fresh,
+                             rows=torch.tensor([0]), capture=capture)
+                for layer in range(target.config.num_hidden_layers):
+                    k, v = engine.cache.read(layer, torch.tensor([seq.tslot]), n)
+                    fk, fv = fresh.read(layer, torch.tensor([0]), n)
+                    torch.testing.assert_close(k, fk, atol=2e-5, rtol=1e-4)
+                    torch.testing.assert_close(v, fv, atol=2e-5, rtol=1e-4)
+                # fresh drafter context on the verified prefix it holds
+                m = int(runner.cache.lengths[seq.dslot])
+                assert m <= n
+                pending = 0 if seq.pending is None else len(seq.pending)
+                assert m + pending == n, "verified features are either in the drafter context or pending"
+                if m:
+                    kv = drafter.context_kv(drafter.project_context(out.captured[:, :m]), torch.arange(m)[None])
+                    for layer, (fk, fv) in enumerate(kv):
+                        k, v = runner.cache.read(layer, torch.tensor([seq.dslot]), m)
+                        torch.testing.assert_close(k, fk, atol=2e-5, rtol=1e-4)
+                        torch.testing.assert_close(v, fv, atol=2e-5, rtol=1e-4)
+                    if pending:
+                        torch.testing.assert_close(seq.pending, out.captured[0, m:n], atol=2e-5, rtol=1e-4)
+                # the head's target state is the captured layers just before the anchor
+                torch.testing.assert_close(seq.state, out.captured[0, n - 1], atol=2e-5, rtol=1e-4)
+                checked += 1
+    assert checked > 10 and partial > 3, (checked, partial)
+
+
+# ---------------------------------------------------------------------------------- bad input
+def test_bad_input_raises_and_leaves_the_batch_untouched(tiny_target_dir):
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    vocab = target.config.vocab_size
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 8), max_batch=8)
+    prompts = random_prompts((4, 9, 6), vocab, seed=21)
+    rids = [engine.add_request(p, 12, rule=rule) for p, rule in zip(prompts, ("lilicorr", "viterbi", "ar"))]
+    engine.step()
+    engine.step()
+    room = engine.max_seq_len - engine.block_size - 1
+    bad = [
+        (dict(prompt_ids=[], max_tokens=4), "empty prompt"),
+        (dict(prompt_ids=[5] * (room + 1), max_tokens=1), "longer than the context"),
+        (dict(prompt_ids=[5] * 10, max_tokens=room), "exceeds the context"),
+        (dict(prompt_ids=[5, 6], max_tokens=0), "max_tokens must be a positive integer"),
+        (dict(prompt_ids=[5, 6], max_tokens=-3), "max_tokens must be a positive integer"),
+        (dict(prompt_ids=[5, 6], max_tokens=2.5), "max_tokens must be a positive integer"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, rule="beam"), "unknown decode rule 'beam'"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, temperature=-0.5), "temperature must be a finite number"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, temperature=float("nan")), "temperature must be a finite number"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, temperature=float("inf")), "temperature must be a finite number"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, temperature="hot"), "temperature must be a finite number"),
+        (dict(prompt_ids=[5, vocab], max_tokens=4), rf"token ids \[{vocab}\] outside the vocabulary"),
+        (dict(prompt_ids=[-1, 5], max_tokens=4), r"token ids \[-1\] outside the vocabulary"),
+        (dict(prompt_ids=[5, 2.5], max_tokens=4), "integer token ids"),
+        (dict(prompt_ids="hello world", max_tokens=4), "not a string"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, stop_ids=["eos"]), "stop_ids must be integer"),
+        (dict(prompt_ids=[5, 6], max_tokens=4, temperature=1.0, seed="x"), "seed must be an integer"),
+    ]
+    free = (engine.cache.num_free, engine.runner.cache.num_free)
+    for kw, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            engine.add_request(**kw)
+        assert engine.num_active == 3 and (engine.cache.num_free, engine.runner.cache.num_free) == free
+    # generate() validates every prompt before it queues any
+    with pytest.raises(ValueError, match=r"prompt 1: empty prompt"):
+        engine.generate([[5, 6], [], [7]], 3)
+    with pytest.raises(ValueError, match="3 max_tokens values for 2 prompts"):
+        engine.generate([[5, 6], [7]], [3, 3, 3])
+    assert engine.num_active == 3
+    while engine.num_active:
+        engine.step()
+    for rid, p in zip(rids, prompts):
+        assert engine.pop_result(rid).tokens == hf_greedy(path, p, 12)
+    # rules that need parts the engine lacks
+    ar_only = SpecEngine(target, None, max_batch=2)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        ar_only.add_request([5, 6], 3, rule="argmax")
+    assert ar_only.generate([[5, 6]], 3, rule="ar")[0].tokens == target_greedy(target, [5, 6], 3)
+    vanilla = SpecEngine(target, TorchDraftRunner(untrained_model(target, vanilla=True, block_size=4), 2), max_batch=2)
+    for rule in ("lilicorr", "viterbi"):
+        with pytest.raises(ValueError, match="needs a LiLiCorr head"):
+            vanilla.add_request([5, 6], 3, rule=rule)
+    assert vanilla.generate([[5, 6]], 5, rule="argmax")[0].tokens == target_greedy(target, [5, 6], 5)
+
+
+def test_full_engine_and_cancel(tiny_target_dir):
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 2), max_batch=2)
+    a = engine.add_request([5, 6, 7], 10, rule="lilicorr")
+    b = engine.add_request([8, 9], 10, rule="ar")
+    with pytest.raises(RuntimeError, match="full"):
+        engine.add_request([5], 3)
+    engine.step()
+    engine.cancel(a)
+    engine.cancel(a)                                   # no-op the second time
+    assert engine.num_active == 1 and engine.cache.num_free == 1 and engine.runner.cache.num_free == 2
+    c = engine.add_request([10, 11, 12, 13], 6, rule="viterbi")
+    while engine.num_active:
+        engine.step()
+    assert engine.pop_result(b).tokens == hf_greedy(path, [8, 9], 10)
+    assert engine.pop_result(c).tokens == hf_greedy(path, [10, 11, 12, 13], 6)
+
+
+# ---------------------------------------------------------------------------------- stop / EOS
+def test_stop_tokens_end_a_sequence_mid_block(tiny_target_dir):
+    """A stop id ends the sequence at its first occurrence, also when it is an accepted draft in
+    the middle of a block (the rest of the block is dropped); other rows continue."""
+    path = tiny_target_dir("qwen2")
+    target = target_of(path)
+    vocab, b = target.config.vocab_size, 8
+    prompts = random_prompts((6, 3, 10), vocab, seed=31)
+    reqs = _mixed_requests(prompts, (24, 24, 24))
+    for r in reqs:
+        ref = hf_greedy(path, r["prompt"], r["max_tokens"])
+        r["stop_ids"] = [ref[5 + r["key"] % 7], vocab + 50]     # a token from the middle (+ one never made)
+    truths = {r["key"]: r["prompt"] + hf_greedy(path, r["prompt"], 24 + b) for r in reqs}
+    runner = ScriptedRunner(small_model(target, b, top_k=2), 8,
+                            Corruptor(truths, vocab, b, 2, seed=3, high_accept=True))
+    engine = SpecEngine(target, runner, max_batch=8)
+    results, events = run_requests(engine, reqs, runner=runner)
+    mid_block = 0
+    for r, res, evs in zip(reqs, results, events.values()):
+        ref = hf_greedy(path, r["prompt"], r["max_tokens"])
+        stop = r["stop_ids"][0]
+        cut = ref.index(stop) + 1
+        assert res.tokens == ref[:cut] and res.finish_reason == "stop", r
+        last = evs[-1]
+        mid_block += last.drafted > 0 and len(last.new_tokens) < last.accepted
+    assert mid_block > 0, "no stop token landed inside an accepted block"
+
+
+def test_eos_and_tiny_limits(tiny_target_dir):
+    """EOS from the tokenizer ends a sequence exactly where transformers' generate stops; a stop
+    token sampled at prefill and max_tokens=1 finish without a verify step."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    tok = Tokenizer.from_dir(path)
+    eos = sorted(tok.eos_ids)
+    assert target.config.eos_token_ids[0] in eos
+    # a prompt whose greedy continuation produces EOS
+    for seed in range(200):
+        prompt = random_prompts((5,), target.config.vocab_size, seed=1000 + seed)[0]
+        ref = target_greedy(target, prompt, 30)
+        if eos[0] in ref[1:] and ref[0] != eos[0]:
+            break
+    else:
+        pytest.skip("no EOS within 30 tokens for 200 random prompts")
+    hf = hf_greedy(path, prompt, 30, stop_at_eos=True)
+    assert hf[-1] == eos[0] and len(hf) < 30
+    engine = SpecEngine(target, TorchDraftRunner(small_model(target, 4), 4), max_batch=4)
+    for rule in RULES:
+        res = engine.generate([prompt], 30, rule=rule, stop_ids=eos)[0]
+        assert res.tokens == hf and res.finish_reason == "stop", rule
+    first = ref[0]
+    res = engine.generate([prompt, prompt], [30, 1], rule="lilicorr", stop_ids=[first])
+    assert [r.tokens for r in res] == [[first], [first]]
+    assert [r.finish_reason for r in res] == ["stop", "stop"] and [r.num_steps for r in res] == [0, 0]
+    res = engine.generate([prompt], 1, rule="viterbi")[0]
+    assert res.tokens == [first] and res.finish_reason == "length" and res.num_steps == 0 and res.tau == 0
+
+
+# ---------------------------------------------------------------------------------- YaRN
+def test_yarn_engine_is_lossless_against_ar_with_the_same_yarn(tiny_target_dir):
+    """YaRN x2 on a 128-position model: prompts past the training length decode the same under
+    every rule as under `ar` with the same scaling (the drafter shares the target's rope)."""
+    path = tiny_target_dir("qwen3")
+    engine = SpecEngine.from_paths(path, untrained_seed=0, block_size=4, max_batch=8, yarn_factor=2.0)
+    assert engine.target.config.rope_scaling["rope_type"] == "yarn"
+    assert engine.max_seq_len == 256
+    vocab = engine.vocab_size
+    prompts = random_prompts((150, 9, 131), vocab, seed=41)
+    reqs = _mixed_requests(prompts, (12, 10, 8))
+    results, _ = run_requests(engine, reqs)
+    ar = {tuple(r["prompt"]): res.tokens for r, res in zip(reqs, results) if r["rule"] == "ar"}
+    for r, res in zip(reqs, results):
+        assert res.tokens == ar[tuple(r["prompt"])], r["rule"]
+    assert ar[tuple(prompts[1])] == target_greedy(engine.target, prompts[1], 10)
+    # the scaling is really on: a plain target decodes the long prompt differently
+    plain = target_of(path)
+    logits_plain = plain(torch.tensor([prompts[0]]), torch.arange(150)[None]).logits[0, -1]
+    logits_yarn = engine.target(torch.tensor([prompts[0]]), torch.arange(150)[None]).logits[0, -1]
+    assert not torch.allclose(logits_plain, logits_yarn, atol=1e-3)
+    # and with a scripted high-acceptance runner (tau > 1) under YaRN
+    b = 4
+    cont = {tuple(p): target_greedy(engine.target, p, 12 + b) for p in prompts}
+    truths = {r["key"]: r["prompt"] + cont[tuple(r["prompt"])] for r in reqs}
+    runner = ScriptedRunner(small_model(engine.target, b, top_k=2), 8, Corruptor(truths, vocab, b, 2, seed=2))
+    spec = SpecEngine(engine.target, runner, max_batch=8, max_seq_len=256)
+    results, _ = run_requests(spec, reqs, runner=runner)
+    assert [res.tokens for res in results] == [ar[tuple(r["prompt"])] for r in reqs]
+    assert sum(res.accepted_tokens for res in results) > 1.3 * sum(res.num_steps for res in results)
+
+
+# ---------------------------------------------------------------------------------- stage timer
+def test_stage_times_add_up_to_the_block_wall(tiny_target_dir):
+    """Issue 6: every part of a block is inside one of the five stages (within 5% of the wall)."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(small_model(target, 8), 8), max_batch=8)
+    prompts = random_prompts((5, 9, 3, 12), target.config.vocab_size, seed=51)
+    engine.generate(prompts, 4, rule="lilicorr")                    # warm up
+    for rule in RULES:
+        timer = StageTimer()
+        with timer.active():
+            res = engine.generate(prompts, 12, rule=rule)
+        t = timer.table()
+        assert t["blocks"] == max(r.num_steps for r in res), rule      # one block per engine step
+        assert abs(t["stage_sum_ms"] - t["per_block_wall_ms"]) <= 0.05 * t["per_block_wall_ms"], (rule, t)
+        if rule == "ar":
+            assert t["stages_ms"][profiling.STAGE_HEAD] == 0 and t["stages_ms"][profiling.STAGE_VERIFY] > 0
+        else:
+            assert all(t["stages_ms"][s] > 0 for s in STAGES), (rule, t)
+        assert "Per-block wall" in timer.markdown(rule)
+
+
+class _CountingDomain:
+    """Delegates to the real NVTX domain and counts pushes / pops (a spy, not a replacement)."""
+
+    def __init__(self, real):
+        self.real, self.depth, self.pushed = real, 0, []
+
+    def get_event_attributes(self, **kw):
+        return self.real.get_event_attributes(**kw) if self.real is not None else kw
+
+    def push_range(self, attrs):
+        self.depth += 1
+        self.pushed.append(attrs)
+        if self.real is not None:
+            self.real.push_range(attrs)
+
+    def pop_range(self):
+        self.depth -= 1
+        if self.real is not None:
+            self.real.pop_range()
+
+
+def test_stage_ranges_close_on_errors(tiny_target_dir, monkeypatch):
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    domain = _CountingDomain(profiling._DOMAIN)
+    monkeypatch.setattr(profiling, "_DOMAIN", domain)
+    runner = ScriptedRunner(small_model(target, 4), 2, script=None, fail_on_draft=True)
+    engine = SpecEngine(target, runner, max_batch=2)
+    engine.add_request([5, 6, 7], 5, rule="argmax")
+    timer = StageTimer()
+    with pytest.raises(RuntimeError, match="scripted draft failure"):
+        with timer.active():
+            engine.step()                     # prefill
+            assert current_timer() is timer and domain.depth == 0
+            engine.step()                     # the draft raises inside block / draft stages
+    assert domain.depth == 0 and len(domain.pushed) >= 3, "an NVTX range was left open"
+    assert current_timer() is None
+    assert timer.blocks == 1 and timer.block_wall > 0
+    assert timer.totals[profiling.STAGE_DRAFT] > 0                   # the append-context stage closed
+    assert timer.totals[profiling.STAGE_DRAFT] <= timer.block_wall
+    assert BLOCK not in timer.totals
