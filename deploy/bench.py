@@ -22,7 +22,7 @@ from pathlib import Path
 from lilicorr.data.suites import load_prompts
 from lilicorr.serving.benchmark import (add_comparisons, markdown_table, plot_speedup, request_kwargs,
                                         run_cell, scrape_metrics, stage_delta)
-from lilicorr.serving.client import LiLiCorrClient
+from lilicorr.serving.client import GenerationError, LiLiCorrClient
 
 
 def parse_list(s: str, cast=str) -> list:
@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         client.wait_ready(60)
         for rule in rules:
             for item in prompts[: args.warmup]:
-                client.generate(max_tokens=min(8, args.max_tokens), decode_rule=rule, **request_kwargs(item))
+                try:
+                    client.generate(max_tokens=min(8, args.max_tokens), decode_rule=rule, **request_kwargs(item))
+                except GenerationError as e:
+                    print(f"[bench] warm-up request failed ({rule}): {e}", file=sys.stderr)
         for c in concurrencies:
             for rule in rules:
                 before = scrape_metrics(metrics_url) if args.profile else None

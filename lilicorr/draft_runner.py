@@ -19,7 +19,7 @@ from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD, stage
 
 def pad_ragged(chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """list of [T_i, ...] -> right-padded [N, T_max, ...] and lengths [N] long."""
-    lengths = torch.tensor([c.shape[0] for c in chunks], dtype=torch.long)
+    lengths = torch.tensor([c.shape[0] for c in chunks], dtype=torch.long, device=chunks[0].device)
     t = int(lengths.max()) if len(chunks) else 0
     out = chunks[0].new_zeros((len(chunks), t) + tuple(chunks[0].shape[1:]))
     for i, c in enumerate(chunks):

@@ -61,6 +61,11 @@ def ort_session(path, optimize: bool = True, threads: int | None = None, optimiz
     so.log_severity_level = 3
     if optimized_out is not None:
         so.optimized_model_filepath = str(optimized_out)
+        if Path(str(path) + ".data").is_file():     # weights > 2 GB stay in an external file
+            so.add_session_config_entry("session.optimized_model_external_initializers_file_name",
+                                        Path(optimized_out).name + ".data")
+            so.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                        "1024")
     return ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
 
 
@@ -159,7 +164,8 @@ class GraphDraftRunner:
     @torch.no_grad()
     def append_context(self, slots: torch.Tensor, feats: list[torch.Tensor], start_pos: torch.Tensor) -> None:
         """slots [N]; feats[i] [T_i, n, H] target features at positions start_pos[i] + t."""
-        x, valid = pad_ragged(feats)                                            # [N, T, n, H]
+        slots, start_pos = slots.cpu(), start_pos.cpu()        # the context cache lives on the host
+        x, valid = pad_ragged([f.cpu() for f in feats])                         # [N, T, n, H]
         pos = start_pos[:, None].long() + torch.arange(x.shape[1])[None, :]     # [N, T]
         out = self._ctx.run({"captured": x.float(), "positions": pos})
         self.cache.reserve(slots, x.shape[1])
@@ -178,6 +184,7 @@ class GraphDraftRunner:
             raise ValueError(f"unknown decode rule {bad[0]!r} for a draft runner; choose from lilicorr, viterbi, argmax")
         if not self._has_head and any(r != "argmax" for r in rules):
             raise ValueError("decode rules lilicorr/viterbi need a LiLiCorr head; this engine is vanilla DFlash")
+        slots, anchors, anchor_pos, target_state = (t.cpu() for t in (slots, anchors, anchor_pos, target_state))
         with stage(STAGE_DRAFT):
             lengths = self.cache.lengths[slots]
             upto = max(int(lengths.max()), 1)        # the graph needs C >= 1 (masked when length 0)

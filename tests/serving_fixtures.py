@@ -76,12 +76,49 @@ def echo_server(serving_target, tmp_path_factory):
         srv.stop()
 
 
+def have_export() -> bool:
+    import importlib.util
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("lilicorr.export", "onnx", "onnxruntime", "onnxscript"))
+
+
 @pytest.fixture(scope="session")
-def engine_server(serving_target, tmp_path_factory):
+def tiny_engine_dir(serving_target, tmp_path_factory) -> Path | None:
+    """An onnxruntime engine directory (convert/build_engine.py's code) from an untrained
+    checkpoint (block size 4) on the tiny target; None where the converter cannot run."""
+    if not (have_engine() and have_export()):
+        return None
+    from lilicorr import checkpoint as ckpt_io
+    from lilicorr.export import BuildOptions, build_engine_dir
+    from lilicorr.model import untrained_model
+    from lilicorr.target import load_target
+
+    base = tmp_path_factory.mktemp("serving-engine")
+    target = load_target(serving_target)
+    model = untrained_model(target, seed=0, block_size=BLOCK_SIZE)
+    ckpt = ckpt_io.save_checkpoint(base / "ckpt", model.cfg, model.state_dict(), target.config, {"step": 0})
+    return build_engine_dir(ckpt, serving_target, base / "engines" / "tiny-onnxruntime", BuildOptions(log=None))
+
+
+def engine_spec(serving_target: Path, engine_dir: Path | None) -> EngineSpec:
+    if engine_dir is not None:
+        from lilicorr.serving.repository import read_engine_manifest
+        return read_engine_manifest(engine_dir)
+    return EngineSpec(target_dir=serving_target)
+
+
+@pytest.fixture(scope="session")
+def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
+    """The real SpecEngine: the built engine dir (ONNX Runtime drafter) or, without the converter,
+    an untrained torch drafter."""
     if not have_engine():
         pytest.skip("lilicorr.engine not available yet")
-    repo = generate_repository(EngineSpec(target_dir=serving_target), tmp_path_factory.mktemp("engine-repo"),
-                               engine_options(profile=True))
+    opts = engine_options(profile=True)
+    if tiny_engine_dir is not None:
+        opts.extra_parameters = {}
+        opts.draft_backend = None          # the manifest's (onnxruntime)
+    repo = generate_repository(engine_spec(serving_target, tiny_engine_dir), tmp_path_factory.mktemp("engine-repo"),
+                               opts)
     srv = start_server(repo)
     try:
         yield srv
@@ -90,7 +127,7 @@ def engine_server(serving_target, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def offline_engine(serving_target):
+def offline_engine(serving_target, tiny_engine_dir):
     """The same engine the server runs, in the test process (the reference for greedy outputs)."""
     if not have_engine():
         pytest.skip("lilicorr.engine not available yet")
@@ -98,9 +135,11 @@ def offline_engine(serving_target):
 
     from lilicorr.engine import SpecEngine
     torch.set_num_threads(1)
-    eng = SpecEngine.from_paths(serving_target, untrained_seed=0, block_size=BLOCK_SIZE, max_batch=8,
-                                max_seq_len=MAX_SEQ_LEN)
-    return eng
+    if tiny_engine_dir is not None:
+        return SpecEngine.from_paths(serving_target, engine_dir=tiny_engine_dir, draft_backend="onnxruntime",
+                                     max_batch=8, max_seq_len=MAX_SEQ_LEN)
+    return SpecEngine.from_paths(serving_target, untrained_seed=0, block_size=BLOCK_SIZE, max_batch=8,
+                                 max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="session")

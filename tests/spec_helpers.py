@@ -244,8 +244,8 @@ def chi2_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5
 # ------------------------------------------------------------------------------------- driving
 def run_requests(engine, requests: list[dict], runner=None, max_steps: int = 5000):
     """Drive `engine` step by step over `requests` (dicts: prompt, max_tokens, rule and optional
-    temperature, seed, stop_ids, key, at = first engine step at which it may join). A request
-    joins when its step has come and a slot is free (continuous batching).
+    temperature, seed, stop_ids, key, at = first engine step at which it may join). Requests join
+    in list order once their step has come and a slot is free (continuous batching).
     -> (results in request order, events per request in order)."""
     waiting = list(range(len(requests)))
     rid_of: dict[int, int] = {}
@@ -253,9 +253,14 @@ def run_requests(engine, requests: list[dict], runner=None, max_steps: int = 500
     events: dict[int, list] = {i: [] for i in range(len(requests))}
     step = 0
     while waiting or engine.num_active:
-        for i in list(waiting):
+        still = []
+        for pos, i in enumerate(waiting):
             r = requests[i]
-            if r.get("at", 0) > step or engine.num_active >= engine.max_batch:
+            if engine.num_active >= engine.max_batch:
+                still += waiting[pos:]
+                break
+            if r.get("at", 0) > step:
+                still.append(i)
                 continue
             if runner is not None and r["rule"] != "ar":
                 runner.expect(r.get("key", i))
@@ -263,7 +268,7 @@ def run_requests(engine, requests: list[dict], runner=None, max_steps: int = 500
                                      temperature=r.get("temperature", 0.0), seed=r.get("seed"),
                                      stop_ids=r.get("stop_ids"))
             rid_of[i], idx_of[rid] = rid, i
-            waiting.remove(i)
+        waiting = still
         for ev in engine.step():
             events[idx_of[ev.rid]].append(ev)
         step += 1

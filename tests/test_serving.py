@@ -24,7 +24,7 @@ from lilicorr.serving.benchmark import (add_comparisons, markdown_table, percent
 from lilicorr.serving.client import GenerationError, GenerationResult, LiLiCorrClient, run_concurrent
 from lilicorr.serving.engine_loop import EngineLoop, Job
 from lilicorr.serving.launcher import (SHM_BASE_PREFIX, TritonServer, free_port, leftover_shm,
-                                       make_backend_dir, server_env, venv_root)
+                                       live_group_members, make_backend_dir, server_env, venv_root)
 from lilicorr.serving.protocol import GenerationParams, Limits, RequestError
 from lilicorr.serving.repository import (EngineSpec, ServeOptions, generate_repository, model_parameters,
                                          read_engine_manifest)
@@ -32,7 +32,7 @@ from lilicorr.serving.testing import EchoEngine
 
 from serving_fixtures import (BLOCK_SIZE, MAX_SEQ_LEN, client_for, echo_options, echo_server,  # noqa: F401
                               engine_server, have_tritonserver, http_get, metric, metrics_text,
-                              offline_engine, serving_target, start_server, tokenizer)
+                              offline_engine, serving_target, start_server, tiny_engine_dir, tokenizer)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -546,7 +546,9 @@ def test_engine_sampling_is_seeded_and_cancel_frees(engine_server):
     a = client.generate(input_ids=[1, 9, 12], max_tokens=8, temperature=0.8, seed=5, decode_rule="lilicorr")
     b = client.generate(input_ids=[1, 9, 12], max_tokens=8, temperature=0.8, seed=5, decode_rule="lilicorr")
     assert a.token_ids == b.token_ids
-    gs = client.stream(input_ids=[1, 9, 12], max_tokens=100, decode_rule="ar")
+    full = client.generate(input_ids=[1, 9, 12], max_tokens=30, decode_rule="argmax", ignore_eos=True)
+    assert full.num_tokens == 30 and full.finish_reason == "length"
+    gs = client.stream(input_ids=[1, 9, 12], max_tokens=120, decode_rule="ar", ignore_eos=True)
     next(iter(gs))
     gs.cancel()
     deadline = time.time() + 20
@@ -589,29 +591,65 @@ def test_clean_shutdown_leaves_nothing(serving_target, tmp_path):
     gs.cancel()
     # a request still streaming at shutdown completes (stop() drains the ensemble first)
     gs = client.stream("hello", max_tokens=60, decode_rule="ar")
-    next(iter(gs))
+    next(iter(gs))                      # really in flight
+    out = {}
+    def read():
+        try:
+            out["res"] = gs.result()
+        except Exception as e:  # noqa: BLE001
+            out["res"] = e
+    reader = threading.Thread(target=read)
+    reader.start()
     t0 = time.time()
     rc = srv.stop()
-    res = gs.result()
-    assert res.finish_reason == "length" and res.num_tokens == 60
-    assert time.time() - t0 < 25
+    reader.join(30)
+    assert isinstance(out["res"], GenerationResult), out["res"]
+    assert out["res"].finish_reason == "length" and out["res"].num_tokens == 60
+    assert time.time() - t0 < 15
     assert rc == 0, srv.log_tail()
     assert leftover_shm(prefix) == []
     assert not workdir.exists()
-    with pytest.raises(ProcessLookupError):
-        os.killpg(pgid, 0)
+    assert live_group_members(pgid) == []
     assert _our_tmp_dirs() <= dirs_before
 
 
 @integration
-def test_serve_script_sigterm(serving_target):
-    """deploy/serve.py end to end: ready line, a request, SIGTERM -> exit 0, nothing left behind."""
+def test_shutdown_with_a_client_holding_its_stream_open(serving_target, tmp_path):
+    """tritonserver 2.51 cannot exit while a client keeps a gRPC stream open; stop() still ends
+    it (SIGKILL after the exit timeout) and cleans up shared memory, processes and temp dirs."""
+    dirs_before = _our_tmp_dirs()
+    repo = generate_repository(EngineSpec(target_dir=serving_target), tmp_path / "repo", echo_options())
+    srv = start_server(repo, exit_timeout=2)
+    pgid, workdir, prefix = srv.proc.pid, srv.workdir, srv.shm_prefix
+    import tritonclient.grpc as g
+    raw = g.InferenceServerClient(srv.grpc_url)
+    raw.start_stream(callback=lambda result, error: None)
+    inputs = LiLiCorrClient(srv.grpc_url).build_inputs("lilicorr", input_ids=[1, 2], max_tokens=2)
+    raw.async_stream_infer("lilicorr", inputs)
+    time.sleep(1.0)                     # answered, but the stream stays open
+    t0 = time.time()
+    srv.stop()
+    assert time.time() - t0 < 2 * 2 + 5 + 10
+    assert leftover_shm(prefix) == [] and not workdir.exists()
+    assert live_group_members(pgid) == []
+    assert _our_tmp_dirs() <= dirs_before
+    raw.stop_stream(cancel_requests=True)
+    raw.close()
+
+
+@integration
+def test_serve_script_sigterm(serving_target, tiny_engine_dir):
+    """deploy/serve.py --engine DIR end to end: ready line, a request, SIGTERM -> exit 0, nothing
+    left behind (the echo engine stands in where the converter cannot build an engine dir)."""
     if not have_tritonserver():
         pytest.skip("no tritonserver")
     dirs_before = _our_tmp_dirs()
     ports = [free_port() for _ in range(3)]
-    cmd = [sys.executable, str(REPO / "deploy" / "serve.py"), "--target", str(serving_target),
-           "--engine-factory", "lilicorr.serving.testing:echo_engine", "--max-seq-len", str(MAX_SEQ_LEN),
+    if tiny_engine_dir is not None:
+        what = ["--engine", str(tiny_engine_dir), "--num-threads", "1"]
+    else:
+        what = ["--target", str(serving_target), "--engine-factory", "lilicorr.serving.testing:echo_engine"]
+    cmd = [sys.executable, str(REPO / "deploy" / "serve.py"), *what, "--max-seq-len", str(MAX_SEQ_LEN),
            "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     lines = []
@@ -625,7 +663,7 @@ def test_serve_script_sigterm(serving_target):
             if line.startswith("[serve] ready"):
                 break
         assert lines and lines[-1].startswith("[serve] ready"), "".join(lines[-40:])
-        res = LiLiCorrClient(f"127.0.0.1:{ports[0]}", timeout=60).generate("hello", max_tokens=4)
+        res = LiLiCorrClient(f"127.0.0.1:{ports[0]}", timeout=60).generate("hello", max_tokens=4, ignore_eos=True)
         assert res.num_tokens == 4
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=60)
@@ -637,3 +675,43 @@ def test_serve_script_sigterm(serving_target):
     assert "[serve] stopped (tritonserver exit code 0)" in out
     assert leftover_shm(f"{SHM_BASE_PREFIX}lilicorr_{proc.pid}_") == []
     assert _our_tmp_dirs() <= dirs_before
+
+
+# =============================================================================== integration: CLIs
+@integration
+def test_client_cli_streams(echo_server):
+    proc = subprocess.run([sys.executable, str(REPO / "deploy" / "client.py"), "--url", echo_server.grpc_url,
+                           "--max-tokens", "6", "--rule", "argmax", "--stats", "hello world"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "6 tokens" in proc.stderr and "tau=" in proc.stderr
+    bad = subprocess.run([sys.executable, str(REPO / "deploy" / "client.py"), "--url", echo_server.grpc_url,
+                          "--rule", "beam", "hello"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "unknown decode_rule" in bad.stderr
+
+
+@integration
+def test_bench_cli(echo_server, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                                 ["hello world", "how are you", "what is the answer", "write code"]) + "\n")
+    out = tmp_path / "bench" / "b.json"
+    proc = subprocess.run([sys.executable, str(REPO / "deploy" / "bench.py"), "--url", echo_server.grpc_url,
+                           "--metrics-url", echo_server.metrics_url, "--prompts", str(prompts), "--limit", "4",
+                           "--concurrency", "1,4", "--rules", "lilicorr,ar,argmax", "--max-tokens", "8",
+                           "--json", str(out), "--profile"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    cells = report["cells"]
+    assert [(c["concurrency"], c["rule"]) for c in cells] == [(1, "ar"), (1, "lilicorr"), (1, "argmax"),
+                                                              (4, "ar"), (4, "lilicorr"), (4, "argmax")]
+    for c in cells:
+        assert c["errors"] == 0 and c["output_tokens"] == 4 * 8 and c["tokens_per_s"] > 0
+        assert c["ttft_p50_ms"] is not None and c["tpot_p99_ms"] is not None and c["speedup"] > 0
+        if c["rule"] == "ar":
+            assert c["tau"] == 1.0 and c["speedup"] == 1.0
+        else:
+            assert c["tau"] > 1.0 and c["matches_ar"] == 1.0
+    assert "| lilicorr | 4 |" in proc.stdout
+    assert out.with_suffix(".png").stat().st_size > 1000

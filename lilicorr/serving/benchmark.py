@@ -126,7 +126,11 @@ def plot_speedup(cells: list[dict], path: str, title: str = "") -> None:
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
                     linestyle="--" if rule == "ar" else "-", label=rule)
+    concs = sorted({c["concurrency"] for c in cells})
     ax.set_xscale("log", base=2)
+    ax.set_xticks(concs)
+    ax.set_xticklabels([str(c) for c in concs])
+    ax.minorticks_off()
     ax.set_xlabel("concurrency (closed-loop clients)")
     ax.set_ylabel("output tokens/s speedup over ar")
     ax.axhline(1.0, color="gray", linewidth=0.8)

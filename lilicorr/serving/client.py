@@ -103,7 +103,8 @@ class GenerationStream:
     """One request on its own gRPC stream. Iterate for `Delta`s; `result()` drains and summarises."""
 
     def __init__(self, client: "LiLiCorrClient", model: str, inputs: list, outputs: list,
-                 request_id: str, timeout: float | None, tokenizer: Any = None):
+                 request_id: str, timeout: float | None, tokenizer: Any = None,
+                 parameters: dict | None = None):
         grpcclient = _grpc()
         self.request_id = request_id
         self.model = model
@@ -128,7 +129,7 @@ class GenerationStream:
         # therefore arrive as messages (status None) and the message names the request id.
         self._client.start_stream(callback=self._callback)
         self._client.async_stream_infer(model, inputs, outputs=outputs, request_id=request_id,
-                                        enable_empty_final_response=True)
+                                        enable_empty_final_response=True, parameters=parameters or None)
 
     # called on the stream's reader thread
     def _callback(self, result=None, error=None):
@@ -184,6 +185,10 @@ class GenerationStream:
                     self._finished = True
                     raise self.error
                 delta = self._handle(payload, t)
+                if self._finished:
+                    # close the gRPC stream before handing out the last delta: an open stream
+                    # keeps server resources (tritonserver 2.51 cannot even shut down past it)
+                    self.close()
                 if delta is not None:
                     yield delta
         finally:
@@ -291,15 +296,22 @@ class LiLiCorrClient:
                input_ids: Sequence[int] | None = None, max_tokens: int | None = None,
                decode_rule: str | None = None, temperature: float | None = None, seed: int | None = None,
                stream: bool = True, model: str | None = None, request_id: str | None = None,
-               inputs: list | None = None) -> GenerationStream:
-        """Send one request on its own stream; iterate the returned object for deltas."""
+               inputs: list | None = None, ignore_eos: bool | None = None,
+               parameters: dict | None = None) -> GenerationStream:
+        """Send one request on its own stream; iterate the returned object for deltas.
+
+        ``ignore_eos=True`` generates exactly max_tokens tokens (request parameter);
+        ``parameters`` are sent as request parameters (knobs may go there too)."""
+        parameters = dict(parameters or {})
+        if ignore_eos is not None:
+            parameters["ignore_eos"] = bool(ignore_eos)
         model = model or (MODEL_ENGINE if input_ids is not None and prompt is None and messages is None
                           else self.model)
         if inputs is None:
             inputs = self.build_inputs(model, prompt, messages, input_ids, max_tokens, decode_rule,
                                        temperature, seed, stream)
         return GenerationStream(self, model, inputs, self.outputs(model), request_id or uuid.uuid4().hex[:12],
-                                self.timeout, self.tokenizer)
+                                self.timeout, self.tokenizer, parameters)
 
     def generate(self, prompt: str | None = None, *, on_delta: Callable[[Delta], None] | None = None,
                  **kwargs: Any) -> GenerationResult:

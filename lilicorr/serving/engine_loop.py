@@ -249,12 +249,16 @@ class EngineLoop:
                 continue
             try:
                 job.sink.send(job.outputs(new, final, ev.finish_reason if final else None), final)
-            except Exception as e:  # noqa: BLE001 - the client is gone: free its sequence
+            except Exception as e:  # noqa: BLE001 - usually the client is gone: free its sequence
                 self.log(f"{job.label()}: send failed ({e}); cancelling")
                 if not final:
                     self._active.pop(ev.rid, None)
                     self._cancel_in_engine(job)
                     self._finish_cancelled(job, send=False)
+                try:   # if the sender still works, the request must still end with a FINAL
+                    job.sink.send_error(INTERNAL, f"{job.label()}: could not send a response: {e}")
+                except Exception:  # noqa: BLE001
+                    pass
                 continue
             if final:
                 job.done = True

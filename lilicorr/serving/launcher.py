@@ -174,6 +174,20 @@ def leftover_shm(prefix: str = SHM_BASE_PREFIX) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/{prefix}*"))
 
 
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of non-zombie processes in process group `pgid` (Linux /proc)."""
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = Path(stat).read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2:].split()
+        if len(fields) > 2 and fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
 class TritonServer:
     """Context manager around one tritonserver process.
 
@@ -372,7 +386,9 @@ class TritonServer:
             except Exception:  # noqa: BLE001 - draining is best effort; SIGTERM follows anyway
                 pass
         if self.proc is not None:
-            wait = timeout if timeout is not None else self.exit_timeout + 20
+            # past its exit timeout the server either exited or hangs on a client that keeps a
+            # gRPC stream open (2.51 waits for open calls); a few seconds more, then SIGKILL
+            wait = timeout if timeout is not None else self.exit_timeout + 5
             if self.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     self.proc.send_signal(signal.SIGTERM)
@@ -384,8 +400,12 @@ class TritonServer:
                     self.proc.wait(10)
             rc = self.proc.returncode
             # stubs left behind by a killed server share its process group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            if live_group_members(self.proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                deadline = time.monotonic() + 5
+                while live_group_members(self.proc.pid) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             self.proc = None
         if self._log_fh is not None:
             self._log_fh.close()

@@ -67,7 +67,10 @@ def read_engine_manifest(engine_dir: str | os.PathLike) -> EngineSpec:
     mpath = engine_dir / "manifest.json"
     if not mpath.is_file():
         raise FileNotFoundError(f"{mpath} not found: --engine must be a folder made by convert/build_engine.py")
-    manifest = json.loads(mpath.read_text())
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as e:
+        raise ValueError(f"{mpath} is not valid JSON: {e}") from None
     if "target_dir" not in manifest:
         raise ValueError(f"{mpath}: no 'target_dir' entry")
     target_dir = _resolve(manifest["target_dir"], engine_dir)
@@ -204,9 +207,15 @@ def open_engine(params: Mapping[str, str]):
     dtype = getattr(torch, params.get("dtype") or "float32")
     target_dir = params["target_dir"]
     kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
-    for key in ("engine_dir", "ckpt_dir", "draft_backend"):
-        if params.get(key):
-            kwargs[key] = params[key]
+    if params.get("engine_dir"):
+        kwargs["engine_dir"] = params["engine_dir"]           # the engine names its checkpoint
+    elif params.get("ckpt_dir"):
+        kwargs["ckpt_dir"] = params["ckpt_dir"]
+    backend = params.get("draft_backend") or ""
+    if backend.startswith("tensorrt") and not device.startswith("cuda"):
+        backend = "onnxruntime"   # every engine dir carries validated ONNX graphs (engines/README.md)
+    if backend:
+        kwargs["draft_backend"] = backend
     for key in ("untrained_seed", "block_size"):      # tests: an untrained drafter, no checkpoint
         if params.get(key):
             kwargs[key] = int(params[key])
