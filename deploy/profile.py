@@ -11,7 +11,8 @@ from --ckpt, --engine-dir, or untrained (the `cpu` preset, seed 0: acceptance is
 block, only the stage costs mean anything), the first N prompts of a built-in suite (chat
 template applied), every rule run to exactly --max-tokens tokens (stop tokens ignored) with up to
 --max-batch rows per engine step. One *block* is one engine step over the running rows. A warm-up
-runs with profiling off first.
+runs with profiling off first. The rules run side by side, one engine per rule (sharing the
+target and drafter weights), stepped in turn, so load drift on shared machines hits them alike.
 
 --nsys: each rule runs in its own child process under `nsys profile -t cuda,nvtx`; the NVTX
 summary (`nsys stats --report nvtx_sum --format csv`, or `nvtxsum` on older nsys) is parsed into
@@ -59,7 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rules", default="lilicorr,argmax,ar", help="comma-separated decode rules")
     p.add_argument("--max-batch", type=int, default=8, help="rows per engine step (default 8)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of the whole workload per rule, interleaved")
+    p.add_argument("--repeats", type=int, default=1, help="runs of the whole workload per rule")
     p.add_argument("--warmup-tokens", type=int, default=8, help="warm-up generation length (0: none)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
@@ -105,27 +106,64 @@ def load_prompt_ids(target_dir, suite: str, n: int) -> list[list[int]]:
     return [tok.encode_chat(to_messages(item)) for item in load_prompts(suite, limit=n)]
 
 
-def run_rule(engine, prompts, rule: str, max_tokens: int, acc: dict | None = None) -> dict:
-    """Generate with the rule's StageTimer active, adding to `acc` (from an earlier repeat);
-    -> the accumulated table + throughput numbers."""
-    from lilicorr.profiling import StageTimer
+def sibling_engine(args, engine):
+    """Another engine on the same target and drafter weights, with its own caches."""
+    from lilicorr.engine import SpecEngine
 
-    acc = acc or {"timer": StageTimer(name=rule), "wall_s": 0.0, "tokens": 0, "steps": 0, "accepted": 0}
-    t0 = time.perf_counter()
-    with acc["timer"].active():
-        res = engine.generate(prompts, max_tokens, rule=rule)
-    acc["wall_s"] += time.perf_counter() - t0
-    acc["tokens"] += sum(len(r.tokens) for r in res)
-    acc["steps"] += sum(r.num_steps for r in res)
-    acc["accepted"] += sum(r.accepted_tokens for r in res)
-    return acc
+    runner = None
+    if engine.runner is not None:
+        if args.engine_dir:
+            from lilicorr.engine_dir import make_runner
+            runner = make_runner(Path(args.engine_dir), engine.target, num_slots=args.max_batch,
+                                 backend=args.draft_backend, target_dir=args.target)
+        else:
+            from lilicorr.draft_runner import TorchDraftRunner
+            runner = TorchDraftRunner(engine.runner.model, args.max_batch)
+    return SpecEngine(engine.target, runner, max_batch=args.max_batch, max_seq_len=engine.max_seq_len)
 
 
-def summarize(rule: str, acc: dict) -> dict:
-    wall = acc["wall_s"]
-    return {"rule": rule, "table": acc["timer"].snapshot(), "wall_s": wall, "tokens": acc["tokens"],
-            "tokens_per_s": acc["tokens"] / wall if wall > 0 else 0.0,
-            "tau": acc["accepted"] / max(acc["steps"], 1), "verify_steps": acc["steps"]}
+class RuleRun:
+    """One rule's workload on its own engine, advanced one engine step at a time (continuous
+    batching as in SpecEngine.generate), timing every step under the rule's StageTimer."""
+
+    def __init__(self, engine, prompts, rule: str, max_tokens: int):
+        from lilicorr.profiling import StageTimer
+
+        self.engine, self.rule, self.max_tokens = engine, rule, max_tokens
+        self.timer = StageTimer(name=rule)
+        self.prompts = prompts
+        self.wall_s, self.tokens, self.steps, self.accepted = 0.0, 0, 0, 0
+        self.queue: list = []
+        self.rids: list = []
+
+    def start(self) -> None:
+        self.queue = list(self.prompts)
+        self.rids = []
+
+    @property
+    def done(self) -> bool:
+        return not self.queue and self.engine.num_active == 0
+
+    def step(self) -> None:
+        eng = self.engine
+        t0 = time.perf_counter()
+        with self.timer.active():
+            while self.queue and eng.num_active < eng.max_batch:
+                self.rids.append(eng.add_request(self.queue.pop(0), self.max_tokens, rule=self.rule))
+            eng.step()
+        self.wall_s += time.perf_counter() - t0
+        if self.done:
+            for rid in self.rids:
+                r = eng.pop_result(rid)
+                self.tokens += len(r.tokens)
+                self.steps += r.num_steps
+                self.accepted += r.accepted_tokens
+
+    def summary(self) -> dict:
+        wall = self.wall_s
+        return {"rule": self.rule, "table": self.timer.snapshot(), "wall_s": wall, "tokens": self.tokens,
+                "tokens_per_s": self.tokens / wall if wall > 0 else 0.0,
+                "tau": self.accepted / max(self.steps, 1), "verify_steps": self.steps}
 
 
 def run_workload(args, rules: list[str]) -> dict:
@@ -139,23 +177,31 @@ def run_workload(args, rules: list[str]) -> dict:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     engine, drafter = build_engine(args)
+    engines = [engine] + [sibling_engine(args, engine) for _ in rules[1:]]
     prompts = load_prompt_ids(args.target, args.suite, args.num_prompts)
     load_s = time.perf_counter() - t0
     if args.warmup_tokens > 0:
         with profiling_enabled(False):     # no NVTX ranges either: nsys sees only the measured runs
-            for rule in rules:
-                engine.generate(prompts[:1], args.warmup_tokens, rule=rule)
-    accs: dict = {}
-    for _ in range(args.repeats):          # rules interleaved, so load drift hits all alike
-        for rule in rules:
-            accs[rule] = run_rule(engine, prompts, rule, args.max_tokens, accs.get(rule))
-    runs = {rule: summarize(rule, accs[rule]) for rule in rules}
-    for rule in rules:
-        print(f"[profile] {rule}: {runs[rule]['table']['blocks']} blocks, "
-              f"{runs[rule]['table']['per_block_wall_ms']:.1f} ms/block, tau {runs[rule]['tau']:.2f}, "
-              f"{runs[rule]['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+            for eng, rule in zip(engines, rules):
+                eng.generate(prompts[:1], args.warmup_tokens, rule=rule)
+    runs = [RuleRun(eng, prompts, rule, args.max_tokens) for eng, rule in zip(engines, rules)]
+    for _ in range(args.repeats):
+        for r in runs:
+            r.start()
+        k = 0
+        while not all(r.done for r in runs):
+            # one engine step per rule in turn (rotating who goes first): every rule's blocks see
+            # the same machine load, which on shared cores drifts within seconds
+            for r in runs[k % len(runs):] + runs[:k % len(runs)]:
+                if not r.done:
+                    r.step()
+            k += 1
+    res = {r.rule: r.summary() for r in runs}
+    for rule, v in res.items():
+        print(f"[profile] {rule}: {v['table']['blocks']} blocks, {v['table']['per_block_wall_ms']:.1f} ms/block, "
+              f"tau {v['tau']:.2f}, {v['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return {"drafter": drafter, "block_size": engine.block_size, "torch_threads": torch.get_num_threads(),
-            "prompt_tokens": [len(p) for p in prompts], "load_s": load_s, "runs": runs}
+            "prompt_tokens": [len(p) for p in prompts], "load_s": load_s, "runs": res}
 
 
 # ---------------------------------------------------------------------------------- nsys
@@ -257,8 +303,9 @@ def report(args, argv, result: dict, nsys_msg: str | None) -> str:
              f"{args.max_tokens} new tokens each (stop tokens ignored), greedy verification, "
              f"block size B={result['block_size']}, up to {args.max_batch} rows per engine step "
              f"(one block = one engine step over the running rows), torch threads {result['torch_threads']}, "
-             f"warm-up {args.warmup_tokens} tokens with profiling off, {args.repeats} repeat(s) with the rules "
-             f"interleaved",
+             f"warm-up {args.warmup_tokens} tokens with profiling off; the rules run side by side on "
+             f"engines sharing the target and drafter weights, one engine step each in turn, "
+             f"{args.repeats} repeat(s)",
              f"- Machine: {machine_note(args)}", "",
              "## Stage timer (lilicorr.profiling.StageTimer, device-synchronised stage boundaries)", "",
              format_tables(cols, extra), ""]
