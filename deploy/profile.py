@@ -303,9 +303,10 @@ def report(args, argv, result: dict, nsys_msg: str | None) -> str:
              f"{args.max_tokens} new tokens each (stop tokens ignored), greedy verification, "
              f"block size B={result['block_size']}, up to {args.max_batch} rows per engine step "
              f"(one block = one engine step over the running rows), torch threads {result['torch_threads']}, "
-             f"warm-up {args.warmup_tokens} tokens with profiling off; the rules run side by side on "
-             f"engines sharing the target and drafter weights, one engine step each in turn, "
-             f"{args.repeats} repeat(s)",
+             f"warm-up {args.warmup_tokens} tokens with profiling off; " + (
+                 "each rule in its own process under nsys" if result.get("nsys") else
+                 "the rules run side by side on engines sharing the target and drafter weights, one "
+                 "engine step each in turn") + f", {args.repeats} repeat(s)",
              f"- Machine: {machine_note(args)}", "",
              "## Stage timer (lilicorr.profiling.StageTimer, device-synchronised stage boundaries)", "",
              format_tables(cols, extra), ""]

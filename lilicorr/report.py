@@ -174,6 +174,7 @@ def plot_slot_acceptance(rates: dict[str, Sequence[float | None]], path,
     ax.set_xlabel("slot (1 = first drafted token)")
     ax.set_ylabel("P(accepted | reached)")
     ax.set_ylim(0, 1.02)
+    ax.set_xlim(0.5, smax + 0.5)
     ax.set_xticks(range(1, smax + 1))
     ax.set_title(title)
     if ax.lines:

@@ -11,6 +11,7 @@ import random
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
 import torch
 
 from lilicorr.config import preset
@@ -20,8 +21,22 @@ from lilicorr.model import LiLiCorrModel, Proposal
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD, stage
 from lilicorr.target import load_target
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 RULES = ("lilicorr", "viterbi", "argmax", "ar")
 SPEC_RULES = ("lilicorr", "viterbi", "argmax")
+
+
+# ------------------------------------------------------------------------------------- threads
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Run a module's tests with one intra-op thread (import this fixture into the module).
+
+    On the shared 2-core machines two OpenMP threads contend with other jobs and small matmuls
+    get 10-20x slower; the tiny models here gain nothing from a second thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # ------------------------------------------------------------------------------------- models

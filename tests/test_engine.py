@@ -21,8 +21,8 @@ from lilicorr.profiling import BLOCK, STAGES, StageTimer, current_timer
 from lilicorr.target import load_target
 from lilicorr.tokenizer import Tokenizer
 
-from spec_helpers import (RULES, SPEC_RULES, Corruptor, ScriptedRunner, hf_greedy, random_prompts,
-                          run_requests, small_model, target_greedy, target_of)
+from spec_helpers import (RULES, SPEC_RULES, Corruptor, ScriptedRunner, hf_greedy, one_torch_thread,  # noqa: F401
+                          random_prompts, run_requests, small_model, target_greedy, target_of)
 
 pytest.importorskip("transformers")
 
@@ -74,7 +74,7 @@ def test_lossless_untrained_drafter(tiny_target_dir, family, block_size):
     join as others finish): every output equals transformers' greedy generate and rule `ar`."""
     path = tiny_target_dir(family)
     target = target_of(path)
-    engine = SpecEngine(target, TorchDraftRunner(small_model(target, block_size, top_k=8), 8), max_batch=8)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=block_size), 8), max_batch=8)
     prompts = random_prompts(PROMPT_LENS, target.config.vocab_size, seed=block_size)
     reqs = _mixed_requests(prompts, MAX_TOKENS)
     results, events = run_requests(engine, reqs)
@@ -143,7 +143,7 @@ def test_requests_joining_midway_do_not_change_outputs(tiny_target_dir, runner_k
             runner = ScriptedRunner(small_model(target, b, top_k=2), 6,
                                     Corruptor(truths, target.config.vocab_size, b, 2, seed=1, high_accept=True))
         else:
-            runner = TorchDraftRunner(small_model(target, b), 6)
+            runner = TorchDraftRunner(untrained_model(target, block_size=b), 6)
         if schedule == "alone":
             results = []
             for r in reqs:
@@ -461,3 +461,43 @@ def test_stage_ranges_close_on_errors(tiny_target_dir, monkeypatch):
     assert timer.totals[profiling.STAGE_DRAFT] > 0                   # the append-context stage closed
     assert timer.totals[profiling.STAGE_DRAFT] <= timer.block_wall
     assert BLOCK not in timer.totals
+
+
+# ---------------------------------------------------------------------------------- SmolLM2 (slow)
+def _smollm2_prompts(path, n=3):
+    from lilicorr.data.suites import load_prompts, to_messages
+
+    tok = Tokenizer.from_dir(path)
+    items = load_prompts("gsm-symbolic", limit=n - 1) + [{"id": "x", "prompt": "Say hello in French."}]
+    return [tok.encode_chat(to_messages(it)) for it in items]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_smollm2_lossless(smollm2_dir, block_size):
+    """SmolLM2-135M-Instruct with chat-templated suite prompts: an untrained drafter (every rule,
+    mixed in one batch) and a scripted partial-acceptance drafter (tau > 1) both reproduce
+    transformers' greedy generate and rule `ar` token for token."""
+    target = target_of(smollm2_dir)
+    prompts = _smollm2_prompts(smollm2_dir)
+    max_tokens = (20, 9, 14)
+    reqs = _mixed_requests(prompts, max_tokens, at=lambda i: i % 2)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=block_size), 6), max_batch=6)
+    results, events = run_requests(engine, reqs)
+    for i, (r, res) in enumerate(zip(reqs, results)):
+        assert res.tokens == hf_greedy(smollm2_dir, r["prompt"], r["max_tokens"]), (r["rule"], i)
+        _check_stats(res, events[i], block_size, spec=r["rule"] != "ar")
+    truths = {r["key"]: r["prompt"] + hf_greedy(smollm2_dir, r["prompt"], r["max_tokens"] + block_size)
+              for r in reqs}
+    vocab = target.config.vocab_size
+    runner = ScriptedRunner(small_model(target, block_size, top_k=2), 6,
+                            Corruptor(truths, vocab, block_size, 2, seed=9, high_accept=True))
+    engine = SpecEngine(target, runner, max_batch=6)
+    results, events = run_requests(engine, reqs, runner=runner)
+    spec_acc = spec_steps = 0
+    for i, (r, res) in enumerate(zip(reqs, results)):
+        assert res.tokens == truths[r["key"]][len(r["prompt"]):][: r["max_tokens"]], (r["rule"], i)
+        _check_stats(res, events[i], block_size, spec=r["rule"] != "ar")
+        if r["rule"] != "ar":
+            spec_acc, spec_steps = spec_acc + res.accepted_tokens, spec_steps + res.num_steps
+    assert spec_acc / spec_steps > 1.5

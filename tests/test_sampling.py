@@ -15,11 +15,12 @@ import torch
 from lilicorr.draft_runner import TorchDraftRunner
 from lilicorr.engine import SpecEngine
 
-from spec_helpers import ScriptedRunner, chi2_test, run_requests, small_model, target_of
+from spec_helpers import ScriptedRunner, chi2_test, one_torch_thread, run_requests, small_model, target_of  # noqa: F401
 
 VOCAB = 8
 PROMPT = [1, 5, 7, 4]
-N = 8000                   # samples per arm
+N = 16000                  # samples per arm that must pass (see the power check)
+N_BIASED = 2000            # a biased verifier must fail even with fewer samples
 ALPHA = 1e-3               # significance level of every test here (the runs are seeded: deterministic)
 BLOCK = 4
 
@@ -105,14 +106,14 @@ def _pvalues(setup, toks):
 
 
 def test_sample_size_detects_a_two_percent_shift(setup):
-    """Power of the test: moving 2% of the probability mass between two likely cells of either
-    joint is detected at ALPHA in >= 90% of simulated runs of N samples, while the exact
-    distribution is (almost) never rejected."""
+    """Power of the test: moving 2% of the probability mass between two of the most likely cells
+    of the (t1, t2) joint (the hardest place to see it) is detected at ALPHA in >= 90% of
+    simulated runs of N samples, while the exact distribution is (almost) never rejected."""
     g = torch.Generator().manual_seed(0)
-    for joint in (setup["joint12"], setup["joint23"]):
+    for joint in (setup["joint12"],):
         p = joint.flatten()
         top = torch.argsort(p, descending=True)
-        for src, dst in ((top[0], top[1]), (top[0], top[3]), (top[2], top[5])):
+        for src, dst in ((top[0], top[1]), (top[1], top[0]), (top[0], top[3]), (top[2], top[5])):
             q = p.clone()
             q[src] -= 0.02
             q[dst] += 0.02
@@ -124,7 +125,7 @@ def test_sample_size_detects_a_two_percent_shift(setup):
         assert false <= 2
 
 
-@pytest.mark.parametrize("runner,rule", [("scripted", "argmax"), ("untrained", "lilicorr"), (None, "ar")])
+@pytest.mark.parametrize("runner,rule", [("scripted", "argmax"), ("untrained", "lilicorr")])
 def test_speculative_sampling_preserves_the_target_distribution(setup, runner, rule):
     toks, tau = _sample(setup, runner=runner, rule=rule)
     p12, p23 = _pvalues(setup, toks)
@@ -135,7 +136,7 @@ def test_speculative_sampling_preserves_the_target_distribution(setup, runner, r
 
 @pytest.mark.parametrize("engine_cls", [AlwaysAccept, ResampleFromTarget])
 def test_biased_verifiers_fail_the_same_test(setup, engine_cls):
-    toks, _ = _sample(setup, engine_cls=engine_cls)
+    toks, _ = _sample(setup, engine_cls=engine_cls, n=N_BIASED)
     p12, p23 = _pvalues(setup, toks)
     assert min(p12, p23) < 1e-6, (engine_cls.__name__, p12, p23)
 

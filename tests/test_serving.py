@@ -23,7 +23,7 @@ from lilicorr.serving.benchmark import (add_comparisons, markdown_table, percent
                                         summarize_cell)
 from lilicorr.serving.client import GenerationError, GenerationResult, LiLiCorrClient, run_concurrent
 from lilicorr.serving.engine_loop import EngineLoop, Job
-from lilicorr.serving.launcher import (SHM_BASE_PREFIX, TritonServer, free_port, leftover_shm,
+from lilicorr.serving.launcher import (SHM_BASE_PREFIX, free_port, leftover_shm,
                                        live_group_members, make_backend_dir, server_env, venv_root)
 from lilicorr.serving.protocol import GenerationParams, Limits, RequestError
 from lilicorr.serving.repository import (EngineSpec, ServeOptions, generate_repository, model_parameters,

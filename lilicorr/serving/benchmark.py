@@ -161,7 +161,7 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
 
 def stage_delta(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """Table 3 decomposition (ms per block) of what the engine did between two scrapes."""
-    from lilicorr.profiling import STAGES, format_table  # noqa: F401 - format_table re-exported for callers
+    from lilicorr.profiling import STAGES
 
     def total(prefix: str, stage: str | None = None) -> float:
         s = 0.0

@@ -263,8 +263,20 @@ class TritonServer:
         return cmd + self.extra_args
 
     def start(self) -> "TritonServer":
+        """Start and wait until ready. Auto-chosen ports that another process grabbed in the
+        meantime ("already in use") are re-picked, up to three attempts."""
         if self.proc is not None:
             raise RuntimeError("server already started")
+        auto_ports = not all(self._ports)
+        for attempt in range(3):
+            try:
+                return self._start_once()
+            except ServerStartError as e:
+                if not (auto_ports and "already in use" in str(e)) or attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "TritonServer":
         self.workdir = Path(tempfile.mkdtemp(prefix="lilicorr-triton-"))
         g, h, m = self._ports
         auto = _free_ports(3, self.host)

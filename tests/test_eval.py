@@ -1,0 +1,273 @@
+"""`python -m lilicorr.eval` on a tiny target with an untrained checkpoint, and lilicorr.report."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from lilicorr import report
+from lilicorr.checkpoint import save_checkpoint
+from lilicorr.eval import main
+from lilicorr.model import untrained_model
+from lilicorr.target import load_target
+
+from spec_helpers import REPO_ROOT, one_torch_thread  # noqa: F401
+
+pytest.importorskip("transformers")
+
+PNG = b"\x89PNG\r\n\x1a\n"
+RULES = ["ar", "argmax", "lilicorr", "viterbi"]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    path = tiny_target_dir("llama")
+    target = load_target(path)
+    root = tmp_path_factory.mktemp("eval")
+    model = untrained_model(target, block_size=4)
+    ckpt = save_checkpoint(root / "ckpt", model.cfg, model.state_dict(), target.config, meta={"step": 0})
+    vanilla = untrained_model(target, block_size=4, vanilla=True)
+    vckpt = save_checkpoint(root / "vanilla", vanilla.cfg, vanilla.state_dict(), target.config, meta={"step": 0})
+    other = tiny_target_dir("qwen2")
+    words = ["hello world how are you", "write python code please", "what is the answer to this question",
+             "one two three four five", "why is the code in python"]
+    a = root / "chat.jsonl"
+    a.write_text("".join(json.dumps({"prompt": w}) + "\n" for w in words))
+    b = root / "multi.jsonl"
+    b.write_text("".join(json.dumps({"id": f"m{i}", "messages": [{"role": "system", "content": "be fine"},
+                                                                    {"role": "user", "content": w}]}) + "\n"
+                         for i, w in enumerate(words[:3])))
+    return dict(path=path, ckpt=ckpt, vanilla=vckpt, other=other, a=a, b=b, root=root)
+
+
+def _run(setup, tmp_path, *extra, rules="ar,argmax,lilicorr,viterbi", prompts=None, ckpt="ckpt"):
+    out = tmp_path / "res" / "eval.json"
+    argv = ["--target", str(setup["path"]), "--prompts", prompts or f"{setup['a']},{setup['b']}",
+            "--rules", rules, "--max-tokens", "10", "--json", str(out), "--batch-size", "3", "--no-progress",
+            *extra]
+    if ckpt:
+        argv[0:0] = ["--ckpt", str(setup[ckpt])]
+    return main(argv), out
+
+
+def test_eval_writes_all_rules_side_by_side(setup, tmp_path, capsys):
+    rc, out = _run(setup, tmp_path, "--profile", "--limit", "4")
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    meta = doc["meta"]
+    for key in ("command", "date", "target", "ckpt", "versions", "rules", "max_tokens", "temperature",
+                "seeds", "batch_size", "block_size", "stop_ids", "git_commit"):
+        assert key in meta, key
+    assert meta["rules"] == RULES and meta["block_size"] == 4 and meta["ckpt"].endswith("ckpt")
+    assert "torch" in meta["versions"] and "lilicorr.eval" in meta["command"]
+    assert meta["stop_ids"] == [2, 5]                    # the tokenizer's </s> and the template's <|im_end|>
+    assert set(doc["results"]) == {"chat", "multi"}
+    for suite, n in (("chat", 4), ("multi", 3)):
+        res = doc["results"][suite]
+        assert list(res) == RULES
+        # greedy verification: every rule generates the same tokens
+        assert len({res[r]["generated_tokens"] for r in RULES}) == 1
+        for rule in RULES:
+            m = res[rule]
+            assert m["num_prompts"] == n and 0 < m["generated_tokens"] <= 10 * n
+            assert m["tokens_per_s"] > 0 and m["speedup_vs_ar"] > 0
+            assert sum(m["finish_reasons"].values()) == n
+            if rule == "ar":
+                assert m["tau"] == 1.0 and m["oracle_tau"] is None and m["speedup_vs_ar"] == 1.0
+                assert m["slot_acceptance"] == []
+                continue
+            assert 1.0 <= m["tau"] <= m["oracle_tau"] <= 4
+            assert m["tau"] == pytest.approx(sum(k * c for k, c in enumerate(m["accept_hist"])) / m["verify_steps"])
+            assert len(m["slot_acceptance"]) == 3 and len(m["accept_hist"]) == 5
+            for rate, a, r in zip(m["slot_acceptance"], m["slot_accepted"], m["slot_reached"]):
+                assert (rate is None and r == 0) or rate == pytest.approx(a / r)
+            assert m["slot_reached"][0] == m["verify_steps"]
+    assert set(doc["overall"]) == set(RULES)
+    assert doc["overall"]["lilicorr"]["num_prompts"] == 7
+    # profile: a stage table per rule, printed too
+    assert set(doc["profile"]) == set(RULES)
+    for rule, t in doc["profile"].items():
+        assert t["blocks"] > 0 and t["per_block_wall_ms"] > 0
+        assert abs(t["stage_sum_ms"] - t["per_block_wall_ms"]) <= 0.1 * t["per_block_wall_ms"], (rule, t)
+    assert "Target verify" in printed and "Head share" in printed
+    # the markdown table and the plots
+    assert "| suite | rule |" in printed and "| chat | lilicorr |" in printed
+    for name in doc["plots"].values():
+        f = out.parent / name
+        assert f.is_file() and f.read_bytes()[:8] == PNG
+    assert (out.parent / "eval_accept_hist.png").is_file() and (out.parent / "eval_slot_accept.png").is_file()
+
+
+def test_eval_several_seeds_at_temperature(setup, tmp_path):
+    rc, out = _run(setup, tmp_path, "--temperature", "0.8", "--seed", "0,1,2", "--limit", "3",
+                   rules="ar,lilicorr", prompts=str(setup["a"]))
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["seeds"] == [0, 1, 2] and doc["meta"]["temperature"] == 0.8
+    m = doc["results"]["chat"]["lilicorr"]
+    assert m["num_seeds"] == 3 and set(m["per_seed"]) == {"0", "1", "2"}
+    for key in ("tau", "tokens_per_s", "speedup_vs_ar", "oracle_tau"):
+        vals = [m["per_seed"][s][key] for s in "012"]
+        assert m[key] == pytest.approx(sum(vals) / 3)
+        assert m["std"][key] == pytest.approx(torch.tensor(vals, dtype=torch.float64).std().item())
+    assert "per_seed" not in json.loads(out.read_text())["meta"]
+    # same seeds -> same run (per-request seeds); a different seed set -> different samples
+    rc, out2 = _run(setup, tmp_path / "again", "--temperature", "0.8", "--seed", "0,1,2", "--limit", "3",
+                    rules="ar,lilicorr", prompts=str(setup["a"]))
+    doc2 = json.loads(out2.read_text())
+    for s in "012":
+        for rule in ("ar", "lilicorr"):
+            a, b = doc["results"]["chat"][rule]["per_seed"][s], doc2["results"]["chat"][rule]["per_seed"][s]
+            assert a["generated_tokens"] == b["generated_tokens"] and a["tau"] == b["tau"]
+
+
+def test_eval_greedy_with_several_seeds_runs_once(setup, tmp_path, capsys):
+    rc, out = _run(setup, tmp_path, "--seed", "3,4", "--limit", "2", "--no-plots", rules="ar,argmax",
+                   prompts=str(setup["a"]), ckpt="vanilla")
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["seeds"] == [3] and "plots" not in doc
+    assert "deterministic" in capsys.readouterr().out
+    assert doc["results"]["chat"]["argmax"]["num_seeds"] == 1
+
+
+def test_eval_untrained_ar_only_and_skipped_prompts(setup, tmp_path, capsys):
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "hello " * 200}) + "\n" + json.dumps({"prompt": "hello world"}) + "\n")
+    rc, out = _run(setup, tmp_path, "--untrained", "--block-size", "3", rules="ar,lilicorr",
+                   prompts=str(long), ckpt=None)
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["untrained"] and doc["meta"]["block_size"] == 3 and doc["meta"]["ckpt"] is None
+    assert doc["meta"]["skipped_prompts"] == {"long": ["long/1"]}
+    assert doc["results"]["long"]["lilicorr"]["num_prompts"] == 1
+    assert "too long" in capsys.readouterr().out
+    rc, out = _run(setup, tmp_path / "ar", rules="ar", prompts=str(setup["a"]), ckpt=None)
+    assert rc == 0 and list(json.loads(out.read_text())["results"]["chat"]) == ["ar"]
+
+
+@pytest.mark.parametrize("argv_change,message", [
+    (("--target", "/nonexistent/dir"), "--target /nonexistent/dir: no such directory"),
+    (("--ckpt", "/nonexistent/ckpt"), "--ckpt /nonexistent/ckpt: no such directory"),
+    (("--rules", "ar,beam"), "unknown decode rule"),
+    (("--rules", "ar,ar"), "lists a rule twice"),
+    (("--max-tokens", "0"), "--max-tokens must be positive"),
+    (("--seed", "1,x"), "--seed must be an integer"),
+    (("--temperature", "-1"), "--temperature must be a finite number"),
+    (("--block-size", "4"), "--block-size only applies with --untrained"),
+])
+def test_eval_rejects_bad_arguments(setup, tmp_path, capsys, argv_change, message):
+    argv = {"--target": str(setup["path"]), "--ckpt": str(setup["ckpt"]), "--prompts": str(setup["a"]),
+            "--rules": "ar,lilicorr", "--max-tokens": "5", "--json": str(tmp_path / "x.json")}
+    argv[argv_change[0]] = argv_change[1]
+    with pytest.raises(SystemExit) as e:
+        main([x for kv in argv.items() for x in kv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_eval_needs_a_drafter_for_speculative_rules(setup, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--target", str(setup["path"]), "--prompts", str(setup["a"]), "--rules", "ar,argmax",
+              "--json", str(tmp_path / "x.json")])
+    assert "need a drafter: pass --ckpt DIR" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing_prompts", "prompt file not found"),
+    ("bad_jsonl", "invalid JSON"),
+    ("vanilla_with_head_rule", "vanilla DFlash"),
+    ("other_target", "trained for another target"),
+    ("builtin_too_long", "no prompt fits the context"),
+])
+def test_eval_runtime_errors_are_clear(setup, tmp_path, capsys, case, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "hello"}\n{oops\n')
+    kw = dict(prompts=str(setup["a"]), rules="ar,lilicorr", ckpt="ckpt")
+    extra = ()
+    if case == "missing_prompts":
+        kw["prompts"] = str(tmp_path / "nope.jsonl")
+    elif case == "bad_jsonl":
+        kw["prompts"] = str(bad)
+    elif case == "vanilla_with_head_rule":
+        kw["ckpt"] = "vanilla"
+    elif case == "builtin_too_long":
+        kw["prompts"], extra = "humaneval", ("--limit", "2")
+    if case == "other_target":
+        out = tmp_path / "o.json"
+        rc = main(["--target", str(setup["other"]), "--ckpt", str(setup["ckpt"]), "--prompts", str(setup["a"]),
+                   "--rules", "ar,lilicorr", "--json", str(out), "--no-progress"])
+    else:
+        rc, out = _run(setup, tmp_path, *extra, **kw)
+    assert rc == 2 and not out.exists()
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err, err
+
+
+def test_eval_module_entry_point(setup, tmp_path):
+    """`python -m lilicorr.eval` as a subprocess (the documented command line)."""
+    out = tmp_path / "cli.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "lilicorr.eval", "--target", str(setup["path"]), "--ckpt", str(setup["ckpt"]),
+         "--prompts", str(setup["a"]), "--rules", "ar,lilicorr", "--max-tokens", "6", "--limit", "2",
+         "--json", str(out), "--threads", "1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    assert doc["results"]["chat"]["lilicorr"]["num_prompts"] == 2
+    assert "| chat | lilicorr |" in proc.stdout
+    assert (tmp_path / "cli_accept_hist.png").is_file() and (tmp_path / "cli_slot_accept.png").is_file()
+    bad = subprocess.run([sys.executable, "-m", "lilicorr.eval", "--target", str(setup["path"]),
+                          "--prompts", "x", "--json", str(out), "--rules", "nope"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO_ROOT)
+    assert bad.returncode == 2 and "unknown decode rule 'nope'" in bad.stderr
+
+
+# ------------------------------------------------------------------------------------- report
+def test_report_tables_and_plots(tmp_path):
+    t = report.markdown_table(["a", "b"], [["x", 1.23456], ["y|z", None]], align="lr", digits=3)
+    assert t.splitlines() == ["| a | b |", "|:---|---:|", "| x | 1.235 |", "| y\\|z | — |"]
+    with pytest.raises(ValueError):
+        report.markdown_table(["a"], [[1, 2]])
+    assert report.fmt(float("nan")) == "—" and report.fmt(True) == "yes" and report.fmt(3) == "3"
+    assert report.mean_std([1.0, None, 3.0]) == (2.0, pytest.approx(math.sqrt(2)))
+    assert report.mean_std([None]) == (None, None)
+    assert report.slot_rates([1, 0], [2, 0]) == [0.5, None]
+    res = {"s": {"ar": {"tau": 1.0, "oracle_tau": None, "tokens_per_s": 10.0, "speedup_vs_ar": 1.0,
+                        "num_prompts": 2, "generated_tokens": 20},
+                 "lilicorr": {"tau": 2.0, "oracle_tau": 2.5, "tokens_per_s": 15.0, "speedup_vs_ar": 1.5,
+                              "num_prompts": 2, "generated_tokens": 20, "num_seeds": 2,
+                              "std": {"tau": 0.1, "tokens_per_s": 1.0, "speedup_vs_ar": 0.05, "oracle_tau": 0.0}}}}
+    table = report.eval_table(res)
+    assert "| s | lilicorr | 2 | 20 | 2.000 ± 0.100 | 2.500 ± 0.000 | 0.800 | 15.0 ± 1.0 | 1.50 ± 0.05 |" in table
+    assert "| s | ar | 2 | 20 | 1.000 | — | — | 10.0 | 1.00 |" in table
+    h = report.plot_acceptance_histogram({"lilicorr": [0, 3, 2, 1], "argmax": [0, 5, 1, 0], "empty": [0, 0]},
+                                         tmp_path / "h.png")
+    s = report.plot_slot_acceptance({"lilicorr": [0.5, None, 0.2], "ar": []}, tmp_path / "s.png")
+    assert h.read_bytes()[:8] == PNG and s.read_bytes()[:8] == PNG
+    from lilicorr.profiling import StageTimer
+    tables = {"a": StageTimer().table(), "b": StageTimer().table()}
+    assert "| Target verify |" in report.stage_tables(tables)
+    assert "Per-block wall" in report.stage_table(tables["a"], "x")
+
+
+@pytest.mark.slow
+def test_eval_smollm2_builtin_suite(smollm2_dir, tmp_path):
+    """The real target and a built-in suite through the chat template, untrained drafter."""
+    out = tmp_path / "smol.json"
+    rc = main(["--target", str(smollm2_dir), "--untrained", "--prompts", "gsm-symbolic,humaneval", "--limit", "2",
+               "--rules", "ar,argmax,lilicorr", "--max-tokens", "12", "--json", str(out), "--batch-size", "2",
+               "--no-progress", "--profile"])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert set(doc["results"]) == {"gsm-symbolic", "humaneval"}
+    for suite in doc["results"].values():
+        assert len({suite[r]["generated_tokens"] for r in ("ar", "argmax", "lilicorr")}) == 1
+        assert suite["lilicorr"]["tau"] >= 1.0 and suite["ar"]["speedup_vs_ar"] == 1.0
+    assert doc["meta"]["stop_ids"] and set(doc["profile"]) == {"ar", "argmax", "lilicorr"}
+    assert all((tmp_path / f).is_file() for f in doc["plots"].values())
