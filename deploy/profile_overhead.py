@@ -9,9 +9,11 @@ Modes (lilicorr.profiling):
   timer  NVTX + a StageTimer active: clock reads + device sync (a no-op on CPU) per range
 
 Two measurements:
-  1. end to end: the same generation (greedy, so every run does identical work) repeated --reps
-     times per mode, modes interleaved in a rotating order; reports the median of the per-repeat
-     paired ratios mode/off and the median wall per block;
+  1. end to end: one engine per mode (same target and drafter weights), the same greedy generation
+     on each, stepped in turn (rotating which mode goes first), --reps times (a multiple of 3
+     balances which engine serves which mode): step k does the same work in every mode under the
+     same load. Reports the step-time ratio mode/off (ratio of sums,
+     bootstrap 95% interval over the paired steps) and the median paired step ratio;
   2. micro: the cost of one empty `with stage(...)` per mode, times the ranges one block opens,
      over the measured block wall: an estimate that is not drowned by the machine's noise.
 The issue's target: < 2% of step time.
@@ -101,58 +103,91 @@ def bare_loop_us(iters: int) -> float:
     return 1e6 * best / iters
 
 
+def bootstrap_ratio_ci(num: list[float], den: list[float], n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% interval of sum(num)/sum(den), resampling the paired steps."""
+    import random
+
+    rng = random.Random(seed)
+    k = len(num)
+    vals = []
+    for _ in range(n):
+        idx = [rng.randrange(k) for _ in range(k)]
+        vals.append(sum(num[i] for i in idx) / sum(den[i] for i in idx))
+    vals.sort()
+    return vals[int(0.025 * n)], vals[int(0.975 * n) - 1]
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     import torch
 
+    from lilicorr.draft_runner import TorchDraftRunner
     from lilicorr.engine import SpecEngine
     from lilicorr.profiling import profiling_enabled
 
     if args.threads:
         torch.set_num_threads(args.threads)
     kw = dict(max_batch=args.max_batch, device=args.device)
-    engine = (SpecEngine.from_paths(args.target, ckpt_dir=args.ckpt, **kw) if args.ckpt
-              else SpecEngine.from_paths(args.target, untrained_seed=0, **kw))
+    first = (SpecEngine.from_paths(args.target, ckpt_dir=args.ckpt, **kw) if args.ckpt
+             else SpecEngine.from_paths(args.target, untrained_seed=0, **kw))
+    # one engine per mode on the same target and drafter weights: identical work step for step
+    pool = [first] + [SpecEngine(first.target, TorchDraftRunner(first.runner.model, args.max_batch),
+                                 max_batch=args.max_batch, max_seq_len=first.max_seq_len) for _ in MODES[1:]]
     prompts = load_prompt_ids(args.target, args.suite, args.num_prompts)
     with profiling_enabled(False):
-        engine.generate(prompts, 4, rule=args.rule)
+        for eng in pool:
+            eng.generate(prompts, 4, rule=args.rule)
 
-    walls = {m: [] for m in MODES}
-    blocks = None
-    ranges_per_block = None
+    steps = {m: [] for m in MODES}          # wall of every block step (prefill steps left out)
+    runs = {m: [] for m in MODES}
+    timer_steps = []                        # the timer of every `timer` block step
     reference = None
     for rep in range(args.reps):
-        order = MODES[rep % 3:] + MODES[:rep % 3]          # rotate which mode goes first
-        for mode in order:
-            stack, timer = mode_context(mode)
-            with stack:
-                t0 = time.perf_counter()
-                res = engine.generate(prompts, args.max_tokens, rule=args.rule)
-                walls[mode].append(time.perf_counter() - t0)
-            toks = [r.tokens for r in res]
+        # which engine serves which mode rotates per repeat, so the engines' own differences
+        # (where their caches landed in memory) average out instead of biasing one mode
+        engines = {m: pool[(i + rep) % len(pool)] for i, m in enumerate(MODES)}
+        rids = {m: [engines[m].add_request(p, args.max_tokens, rule=args.rule) for p in prompts] for m in MODES}
+        run_wall = dict.fromkeys(MODES, 0.0)
+        k = 0
+        while engines["off"].num_active:
+            for m in MODES[k % 3:] + MODES[:k % 3]:             # rotate which mode steps first
+                stack, timer = mode_context(m)
+                with stack:
+                    t0 = time.perf_counter()
+                    engines[m].step()
+                    dt = time.perf_counter() - t0
+                if timer is not None and k > 0:
+                    timer_steps.append(timer)
+                run_wall[m] += dt
+                if k > 0:                                      # step 0 is the prefill
+                    steps[m].append(dt)
+            k += 1
+        for m in MODES:
+            runs[m].append(run_wall[m])
+            toks = [engines[m].pop_result(r).tokens for r in rids[m]]
             if reference is None:
                 reference = toks
-            assert toks == reference, "profiling changed the engine's output"
-            if timer is not None:
-                t = timer.table()
-                blocks = t["blocks"]
-                ranges_per_block = sum(t["ranges_per_block"].values()) + 1      # + the block range
+            assert toks == reference, f"profiling mode {m} changed the engine's output"
         print(f"[overhead] rep {rep + 1}/{args.reps}: " +
-              ", ".join(f"{m} {walls[m][-1]:.2f}s" for m in MODES), file=sys.stderr, flush=True)
+              ", ".join(f"{m} {runs[m][-1]:.2f}s" for m in MODES), file=sys.stderr, flush=True)
+    blocks = len(steps["off"]) // args.reps                              # block steps per run
+    ranges_per_block = statistics.mean(sum(t.table()["ranges_per_block"].values()) + 1   # + the block range
+                                       for t in timer_steps)
 
     bare = bare_loop_us(args.micro_iters)
     micro = {m: micro_cost_us(m, args.micro_iters) for m in MODES}
-    block_ms = {m: 1e3 * statistics.median(walls[m]) / blocks for m in MODES}
-    paired = {m: [w / o for w, o in zip(walls[m], walls["off"])] for m in MODES}
     summary = {}
+    off_total = sum(steps["off"])
+    off_block_ms = 1e3 * statistics.median(steps["off"])
     for m in MODES:
         extra_us = (micro[m] - micro["off"]) * ranges_per_block
-        summary[m] = {"median_wall_s": statistics.median(walls[m]), "median_block_ms": block_ms[m],
-                      "paired_ratio_median": statistics.median(paired[m]),
-                      "paired_ratio_min": min(paired[m]), "paired_ratio_max": max(paired[m]),
+        lo, hi = bootstrap_ratio_ci(steps[m], steps["off"])
+        summary[m] = {"median_step_ms": 1e3 * statistics.median(steps[m]), "total_step_s": sum(steps[m]),
+                      "ratio_of_sums": sum(steps[m]) / off_total, "ratio_ci95": [lo, hi],
+                      "paired_step_ratio_median": statistics.median(a / b for a, b in zip(steps[m], steps["off"])),
                       "range_cost_us": micro[m], "est_overhead_us_per_block": extra_us,
-                      "est_overhead_pct": 100.0 * extra_us / (1e3 * block_ms["off"]),
+                      "est_overhead_pct": 100.0 * extra_us / (1e3 * off_block_ms),
                       "est_overhead_pct_paper_block": 100.0 * extra_us / (1e3 * PAPER_BLOCK_MS)}
     cmd = "python deploy/profile_overhead.py " + shlex.join(argv)
     try:
@@ -164,24 +199,27 @@ def main(argv=None) -> int:
              f"{'checkpoint ' + args.ckpt if args.ckpt else 'UNTRAINED drafter (cpu preset, seed 0)'}, rule "
              f"`{args.rule}`, {len(prompts)} prompts of `{args.suite}` x {args.max_tokens} tokens, "
              f"{blocks} blocks per run, {ranges_per_block:.1f} ranges opened per block, torch threads "
-             f"{torch.get_num_threads()}, {args.reps} runs per mode, modes interleaved (rotating order)",
+             f"{torch.get_num_threads()}, {args.reps} runs per mode; one engine per mode (shared target and "
+             f"drafter weights) stepped in turn, rotating which goes first, so step k of every mode does the "
+             f"same work under the same load, and the engine serving each mode rotating per repeat; "
+             f"{len(steps['off'])} paired block steps per mode",
              f"- Machine: {os.cpu_count()} CPU cores shared with other jobs (load average {load} at the end), "
              f"{platform.python_version()}, torch {torch.__version__}, device {args.device}",
              "- Outputs: identical token for token in every run of every mode (asserted)", "",
-             "| Mode | median wall / run (s) | median run wall / blocks (ms) | paired ratio vs off: median [min, max] | "
-             "cost of one range (us) | estimated overhead / block (us) | estimated % of this step | "
-             f"estimated % of a {PAPER_BLOCK_MS} ms block (Table 3) |",
-             "|---|---:|---:|---|---:|---:|---:|---:|"]
+             "| Mode | median step (ms) | total step time (s) | step time vs off: ratio of sums [95% CI] | "
+             "median paired step ratio | cost of one range (us) | estimated overhead / block (us) | "
+             f"estimated % of this step | estimated % of a {PAPER_BLOCK_MS} ms block (Table 3) |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for m in MODES:
         s = summary[m]
-        lines.append(f"| {m} | {s['median_wall_s']:.3f} | {s['median_block_ms']:.1f} | "
-                     f"{s['paired_ratio_median']:.4f} [{s['paired_ratio_min']:.3f}, {s['paired_ratio_max']:.3f}] | "
+        lines.append(f"| {m} | {s['median_step_ms']:.1f} | {s['total_step_s']:.2f} | {s['ratio_of_sums']:.4f} "
+                     f"[{s['ratio_ci95'][0]:.4f}, {s['ratio_ci95'][1]:.4f}] | {s['paired_step_ratio_median']:.4f} | "
                      f"{s['range_cost_us']:.3f} | {s['est_overhead_us_per_block']:.1f} | "
                      f"{s['est_overhead_pct']:.4f}% | {s['est_overhead_pct_paper_block']:.3f}% |")
     lines += ["", f"Bare Python loop iteration: {bare:.3f} us (the `off` range cost includes it). "
               "Estimated overhead = (range cost of the mode - range cost of `off`) x ranges per block, "
-              "over the median `off` block wall. The end-to-end paired ratios carry the shared machine's "
-              "run-to-run noise; the micro estimate is the resolution-limited number. On a GPU the `timer` "
+              "over the median `off` block step. The end-to-end ratios carry the shared machine's noise (the "
+              "interval is a bootstrap over paired steps); the micro estimate is the resolution-limited number. On a GPU the `timer` "
               "mode adds a device synchronisation at every stage boundary (it serialises the host and the "
               "device by design); the `nvtx` mode does not.", ""]
     text = "\n".join(lines)
@@ -190,7 +228,7 @@ def main(argv=None) -> int:
         Path(args.out).write_text(text)
     jpath = args.json or (str(Path(args.out).with_suffix(".json")) if args.out else None)
     if jpath:
-        Path(jpath).write_text(json.dumps({"command": cmd, "args": vars(args), "walls_s": walls, "blocks": blocks,
+        Path(jpath).write_text(json.dumps({"command": cmd, "args": vars(args), "step_s": steps, "run_s": runs, "blocks": blocks,
                                            "ranges_per_block": ranges_per_block, "bare_loop_us": bare,
                                            "summary": summary}, indent=1))
     return 0

@@ -15,6 +15,7 @@ drafter context, and the captured layers at p-1 (the head's target state).
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import operator
@@ -107,6 +108,7 @@ class SpecEngine:
         self._seqs: dict[int, _Seq] = {}
         self._finished: dict[int, _Seq] = {}   # kept for result()/pop_result() when keep_results
         self.keep_results = True
+        self._wanted: set[int] = set()         # rids generate() waits for (kept even without keep_results)
         self._ids = itertools.count()
 
     # -- construction --------------------------------------------------------------------------
@@ -254,7 +256,7 @@ class SpecEngine:
                 s = self._seqs.pop(ev.rid)
                 self._release(s)
                 self._settle_oracle(s, final=True)
-                if self.keep_results:
+                if self.keep_results or ev.rid in self._wanted:
                     self._finished[ev.rid] = s
         return events
 
@@ -428,6 +430,7 @@ class SpecEngine:
     def pop_result(self, rid: int) -> Result:
         r = self.result(rid)
         self._finished.pop(rid, None)
+        self._wanted.discard(rid)
         return r
 
     def generate(self, prompts: list[list[int]], max_tokens, rule: str = "lilicorr", temperature: float = 0.0,
@@ -446,16 +449,18 @@ class SpecEngine:
                 self.check_request(p, max_list[i], rule, temperature, None if seed is None else seed + i, stop_ids)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        queue = list(enumerate(prompts))
+        queue = collections.deque(enumerate(prompts))
         rid_of: dict[int, int] = {}
-        mine: set[int] = set()
-        while queue or any(r in self._seqs for r in mine):
+        live: set[int] = set()                 # this call's requests still running
+        while queue or live:
             while queue and len(self._seqs) < self.max_batch:
-                i, p = queue.pop(0)
-                rid_of[i] = self.add_request(p, max_list[i], rule=rule, temperature=temperature,
-                                             seed=None if seed is None else seed + i, stop_ids=stop_ids)
-                mine.add(rid_of[i])
+                i, p = queue.popleft()
+                rid = rid_of[i] = self.add_request(p, max_list[i], rule=rule, temperature=temperature,
+                                                   seed=None if seed is None else seed + i, stop_ids=stop_ids)
+                live.add(rid)
+                self._wanted.add(rid)
             for ev in self.step():
-                if progress is not None and ev.rid in mine:
+                if ev.rid in live and progress is not None:
                     progress(len(ev.new_tokens))
+            live = {r for r in live if r in self._seqs}
         return [self.pop_result(rid_of[i]) for i in range(len(prompts))]

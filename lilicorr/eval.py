@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import gc
 import json
 import os
 import platform
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="first N prompts of each suite")
     p.add_argument("--batch-size", type=int, default=8, help="concurrent sequences (continuous batching)")
     p.add_argument("--profile", action="store_true", help="stage decomposition per rule (Table 3 format)")
+    p.add_argument("--draft-backend", default="auto",
+                   help="with --engine: auto (the manifest's), torch, onnxruntime, tensorrt, tensorrt-rtx")
     p.add_argument("--block-size", type=int, default=None, help="with --untrained: block size B")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context limit of the engine")
     p.add_argument("--device", default="cpu")
@@ -236,6 +239,11 @@ def _versions() -> dict:
     return v
 
 
+def _command_line(args) -> str:
+    argv = [sys.executable, "-m", "lilicorr.eval"] + list(getattr(args, "argv", None) or [])
+    return " ".join(shlex.quote(a) for a in argv)
+
+
 def _git_commit() -> str | None:
     import subprocess
 
@@ -254,20 +262,20 @@ def _make_engine(args):
     from lilicorr.checkpoint import CheckpointError
     from lilicorr.engine import SpecEngine
 
+    kw = {"draft_backend": args.draft_backend} if args.engine else {}
     try:
         return SpecEngine.from_paths(
             args.target, ckpt_dir=args.ckpt, engine_dir=args.engine, max_batch=args.batch_size,
             max_seq_len=args.max_seq_len, device=args.device, dtype=getattr(torch, args.dtype),
-            untrained_seed=0 if args.untrained else None, block_size=args.block_size)
+            untrained_seed=0 if args.untrained else None, block_size=args.block_size, **kw)
     except CheckpointError as e:
         raise EvalError(f"--ckpt {args.ckpt}: {e}") from None
-    except ModuleNotFoundError as e:
-        if args.engine and "engine_dir" in str(e):
-            raise EvalError("--engine needs lilicorr.engine_dir (the converter stage), which is not "
-                            "installed; use --ckpt") from None
-        raise
     except (FileNotFoundError, ValueError) as e:
         raise EvalError(str(e)) from None
+    except RuntimeError as e:            # EngineDirError and other load-time failures of an engine dir
+        if args.engine and type(e).__name__ == "EngineDirError":
+            raise EvalError(f"--engine {args.engine}: {e}") from None
+        raise
 
 
 def _progress(total: int, desc: str, disable: bool):
@@ -281,8 +289,6 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
     """Run every (suite, seed, rule) and return the JSON document (also written to args.json_out)."""
     import torch
 
-    from lilicorr import report
-    from lilicorr.profiling import StageTimer
     from lilicorr.tokenizer import Tokenizer
 
     if args.threads:
@@ -328,6 +334,22 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
             engine.generate([it["ids"] for it in first], min(args.max_tokens, 8), rule=rule,
                             temperature=args.temperature, seed=0, stop_ids=stop_ids)
 
+    # everything loaded so far is long-lived: keep the cyclic GC from rescanning it mid-run
+    # (full collections with torch + tokenizer loaded cost milliseconds, landing in random stages)
+    gc.collect()
+    gc.freeze()
+    try:
+        return _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log)
+    finally:
+        gc.unfreeze()
+
+
+def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> dict:
+    import torch
+
+    from lilicorr import report
+    from lilicorr.profiling import StageTimer
+
     block_size = engine.block_size
     timers = {rule: StageTimer() for rule in args.rules} if args.profile else {}
     per: dict[str, dict[str, dict[int, dict]]] = {s: {r: {} for r in args.rules} for s in suites}
@@ -361,7 +383,7 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     doc = {
         "meta": {
-            "command": " ".join(shlex.quote(a) for a in [sys.executable, "-m", "lilicorr.eval"] + list(getattr(args, "argv", None) or [])),
+            "command": _command_line(args),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "target": str(Path(args.target).resolve()),
             "ckpt": str(Path(args.ckpt).resolve()) if args.ckpt else None,
@@ -381,7 +403,7 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
             "stop_ids": stop_ids,
             "device": args.device,
             "dtype": args.dtype,
-            "threads": __import__("torch").get_num_threads(),
+            "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "profile": bool(args.profile),
             "skipped_prompts": skipped,
@@ -403,7 +425,10 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
     if args.profile:
         log("")
         log("Stage decomposition (ms per verify step; Table 3 format)")
-        log(report.stage_tables(doc["profile"]))
+        first = next(iter(results.values())) if overall is None else overall
+        extra = {"tau": {r: report.fmt(first[r]["tau"], 3) for r in args.rules},
+                 "tokens/s": {r: report.fmt(first[r]["tokens_per_s"], 1) for r in args.rules}}
+        log(report.stage_tables(doc["profile"], extra))
     if not args.no_plots:
         doc["plots"] = _plots(out, overall if overall is not None else next(iter(results.values())), args)
     tmp = out.with_name(out.name + ".tmp")

@@ -108,17 +108,12 @@ def stage_table(table: dict, title: str = "") -> str:
     return format_table(table, title)
 
 
-def stage_tables(tables: dict[str, dict]) -> str:
-    """Stage decomposition of several rules side by side (ms per block)."""
-    from lilicorr.profiling import STAGE_TITLES, STAGES
+def stage_tables(tables: dict[str, dict], extra_rows: dict | None = None) -> str:
+    """Stage decomposition of several runs side by side (ms per block; lilicorr.profiling's
+    format), e.g. {rule: StageTimer.table()}; extra_rows: {row label: {column: text}}."""
+    from lilicorr.profiling import format_tables
 
-    names = list(tables)
-    rows = [[STAGE_TITLES[s]] + [tables[n]["stages_ms"][s] for n in names] for s in STAGES]
-    rows.append(["Per-block wall"] + [tables[n]["per_block_wall_ms"] for n in names])
-    rows.append(["Stage sum"] + [tables[n]["stage_sum_ms"] for n in names])
-    rows.append(["Head share (%)"] + [tables[n]["head_share_pct"] for n in names])
-    rows.append(["Blocks timed"] + [tables[n]["blocks"] for n in names])
-    return markdown_table(["Stage (ms / block)"] + names, rows, digits=3)
+    return format_tables(tables, extra_rows, digits=3)
 
 
 # ------------------------------------------------------------------------------------- plots

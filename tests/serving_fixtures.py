@@ -1,11 +1,12 @@
 """Fixtures and helpers for tests/test_serving.py (imported there; conftest.py stays untouched).
 
-Two real tritonserver processes, session-scoped, on free loopback ports:
-* ``echo_server``: the full repository (pre/post-processing with the tiny target's tokenizer,
-  ensemble) with the deterministic `lilicorr.serving.testing.EchoEngine` behind the ``lilicorr``
-  model: fast server mechanics (errors, cancellation, 32 streams, metrics);
-* ``engine_server``: the same repository with the real SpecEngine (tiny random target, untrained
-  drafter + head, block size 4): outputs are compared with the offline engine.
+One real tritonserver, session-scoped, on free loopback ports: ``engine_server`` serves the full
+repository (pre/post-processing with the tiny target's tokenizer, the ``lilicorr`` model, the
+ensemble) with the real SpecEngine on the tiny random target: the engine directory built by
+lilicorr.export from an untrained checkpoint (block size 4, ONNX Runtime drafter), or an untrained
+torch drafter where the converter cannot run. ``offline_engine`` is the same engine in the test
+process: the reference for every greedy output. `engine_repository` writes the same repository
+for tests that start (and stop) their own server.
 """
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from lilicorr.serving.repository import EngineSpec, ServeOptions, generate_repos
 
 BLOCK_SIZE = 4
 MAX_SEQ_LEN = 128          # the tiny target's max_position_embeddings
-ECHO_STEP_DELAY_S = 0.02
+# what a request may use on the server: the engine keeps room for one block (repository.open_engine)
+SERVED_SEQ_LEN = MAX_SEQ_LEN - BLOCK_SIZE
 
 
 def have_tritonserver() -> bool:
@@ -48,12 +50,6 @@ def start_server(repo: Path, **kwargs) -> TritonServer:
     return srv
 
 
-def echo_options(**kw) -> ServeOptions:
-    return ServeOptions(max_batch=32, max_seq_len=MAX_SEQ_LEN, default_max_tokens=16,
-                        engine_factory="lilicorr.serving.testing:echo_engine",
-                        extra_parameters={"echo_step_delay_s": str(ECHO_STEP_DELAY_S)}, **kw)
-
-
 def engine_options(**kw) -> ServeOptions:
     return ServeOptions(max_batch=32, max_seq_len=MAX_SEQ_LEN, default_max_tokens=16, num_threads=1,
                         device="cpu", draft_backend="torch",
@@ -63,17 +59,6 @@ def engine_options(**kw) -> ServeOptions:
 @pytest.fixture(scope="session")
 def serving_target(tiny_target_dir) -> Path:
     return tiny_target_dir("llama")
-
-
-@pytest.fixture(scope="session")
-def echo_server(serving_target, tmp_path_factory):
-    repo = generate_repository(EngineSpec(target_dir=serving_target), tmp_path_factory.mktemp("echo-repo"),
-                               echo_options())
-    srv = start_server(repo)
-    try:
-        yield srv
-    finally:
-        srv.stop()
 
 
 def have_export() -> bool:
@@ -107,18 +92,23 @@ def engine_spec(serving_target: Path, engine_dir: Path | None) -> EngineSpec:
     return EngineSpec(target_dir=serving_target)
 
 
-@pytest.fixture(scope="session")
-def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
-    """The real SpecEngine: the built engine dir (ONNX Runtime drafter) or, without the converter,
-    an untrained torch drafter."""
+def engine_repository(serving_target: Path, engine_dir: Path | None, out: Path, **kw) -> Path:
+    """The model repository of the real SpecEngine: the built engine dir (ONNX Runtime drafter)
+    or, without the converter, an untrained torch drafter (max_batch 32: 32 concurrent streams)."""
     if not have_engine():
         pytest.skip("lilicorr.engine not available yet")
-    opts = engine_options(profile=True)
-    if tiny_engine_dir is not None:
+    opts = engine_options(**kw)
+    if engine_dir is not None:
         opts.extra_parameters = {}
         opts.draft_backend = None          # the manifest's (onnxruntime)
-    repo = generate_repository(engine_spec(serving_target, tiny_engine_dir), tmp_path_factory.mktemp("engine-repo"),
-                               opts)
+    return generate_repository(engine_spec(serving_target, engine_dir), out, opts)
+
+
+@pytest.fixture(scope="session")
+def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
+    """One server for every integration test that does not stop its own server (profile=true:
+    the stage metrics are on /metrics)."""
+    repo = engine_repository(serving_target, tiny_engine_dir, tmp_path_factory.mktemp("engine-repo"), profile=True)
     srv = start_server(repo)
     try:
         yield srv
@@ -177,3 +167,25 @@ def metrics_text(srv: TritonServer) -> str:
     status, text = http_get(srv.metrics_url)
     assert status == 200
     return text
+
+
+def chat_ids(tokenizer, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+    """The token ids the ensemble's preprocessing makes of a text prompt (a user message) or chat."""
+    return tokenizer.encode_chat(messages if messages is not None else [{"role": "user", "content": prompt}])
+
+
+@pytest.fixture(scope="session")
+def reference(offline_engine, tokenizer):
+    """reference(ids, max_tokens, rule, ignore_eos=False) -> the offline engine's `Result` for one
+    request run alone, with the server's stop ids (cached per argument set)."""
+    eos = sorted(tokenizer.eos_ids)
+    done: dict[tuple, object] = {}
+
+    def ref(ids, max_tokens: int, rule: str = "ar", ignore_eos: bool = False):
+        key = (tuple(ids), max_tokens, rule, ignore_eos)
+        if key not in done:
+            done[key] = offline_engine.generate([list(ids)], max_tokens, rule=rule,
+                                                stop_ids=None if ignore_eos else eos)[0]
+        return done[key]
+
+    return ref

@@ -93,8 +93,9 @@ def hf_greedy(path, prompt: list[int], n: int, stop_at_eos: bool = False) -> lis
         kw = {}
         if stop_at_eos:
             kw["eos_token_id"] = m.config.eos_token_id
-        with torch.no_grad():
-            out = m.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, **kw)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():  # an explicit mask: chat prompts contain the pad id (SmolLM2: pad = <|im_end|>)
+            out = m.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, **kw)
         _GREEDY[key] = out[0, len(prompt):].tolist()
     return _GREEDY[key]
 

@@ -8,6 +8,7 @@ which chooses the proposals so that acceptance paths with tau > 1 are exercised 
 """
 from __future__ import annotations
 
+import gc
 import math
 
 import pytest
@@ -18,7 +19,6 @@ from lilicorr.draft_runner import TorchDraftRunner
 from lilicorr.engine import SpecEngine
 from lilicorr.model import untrained_model
 from lilicorr.profiling import BLOCK, STAGES, StageTimer, current_timer
-from lilicorr.target import load_target
 from lilicorr.tokenizer import Tokenizer
 
 from spec_helpers import (RULES, SPEC_RULES, Corruptor, ScriptedRunner, hf_greedy, one_torch_thread,  # noqa: F401
@@ -400,7 +400,12 @@ def test_yarn_engine_is_lossless_against_ar_with_the_same_yarn(tiny_target_dir):
 
 # ---------------------------------------------------------------------------------- stage timer
 def test_stage_times_add_up_to_the_block_wall(tiny_target_dir):
-    """Issue 6: every part of a block is inside one of the five stages (within 5% of the wall)."""
+    """Issue 6: every part of a block is inside one of the five stages (within 5% of the wall).
+
+    Python's cyclic garbage collector can pause anywhere, also between two stages; with pytest,
+    torch and transformers loaded a full collection costs milliseconds, several % of a tiny
+    model's block. It is switched off for the timed loops: what is tested is the engine's
+    attribution of its own work."""
     path = tiny_target_dir("llama")
     target = target_of(path)
     engine = SpecEngine(target, TorchDraftRunner(small_model(target, 8), 8), max_batch=8)
@@ -408,8 +413,13 @@ def test_stage_times_add_up_to_the_block_wall(tiny_target_dir):
     engine.generate(prompts, 4, rule="lilicorr")                    # warm up
     for rule in RULES:
         timer = StageTimer()
-        with timer.active():
-            res = engine.generate(prompts, 12, rule=rule)
+        gc.collect()
+        gc.disable()
+        try:
+            with timer.active():
+                res = engine.generate(prompts, 12, rule=rule)
+        finally:
+            gc.enable()
         t = timer.table()
         assert t["blocks"] == max(r.num_steps for r in res), rule      # one block per engine step
         assert abs(t["stage_sum_ms"] - t["per_block_wall_ms"]) <= 0.05 * t["per_block_wall_ms"], (rule, t)

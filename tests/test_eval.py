@@ -184,6 +184,7 @@ def test_eval_needs_a_drafter_for_speculative_rules(setup, tmp_path, capsys):
     ("vanilla_with_head_rule", "vanilla DFlash"),
     ("other_target", "trained for another target"),
     ("builtin_too_long", "no prompt fits the context"),
+    ("not_an_engine", "is not an engine directory"),
 ])
 def test_eval_runtime_errors_are_clear(setup, tmp_path, capsys, case, message):
     bad = tmp_path / "bad.jsonl"
@@ -198,9 +199,11 @@ def test_eval_runtime_errors_are_clear(setup, tmp_path, capsys, case, message):
         kw["ckpt"] = "vanilla"
     elif case == "builtin_too_long":
         kw["prompts"], extra = "humaneval", ("--limit", "2")
-    if case == "other_target":
+    if case in ("other_target", "not_an_engine"):
         out = tmp_path / "o.json"
-        rc = main(["--target", str(setup["other"]), "--ckpt", str(setup["ckpt"]), "--prompts", str(setup["a"]),
+        source = ["--ckpt", str(setup["ckpt"])] if case == "other_target" else ["--engine", str(setup["root"])]
+        target = setup["other"] if case == "other_target" else setup["path"]
+        rc = main(["--target", str(target), *source, "--prompts", str(setup["a"]),
                    "--rules", "ar,lilicorr", "--json", str(out), "--no-progress"])
     else:
         rc, out = _run(setup, tmp_path, *extra, **kw)

@@ -102,7 +102,6 @@ class ServeOptions:
     draft_backend: str | None = None    # override the manifest's backend
     chat_template: bool = True          # preprocessing applies the chat template to text_input
     profile: bool = False               # time the Table 3 stages in the engine thread (-> /metrics)
-    engine_factory: str = ""            # "module:function(params) -> engine"; "" = SpecEngine.from_paths
     extra_parameters: dict = dataclasses.field(default_factory=dict)   # more lilicorr-model parameters
 
 
@@ -125,7 +124,6 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "post_instances": str(opts.post_instances),
         "num_threads": str(opts.num_threads),
         "chat_template": "true" if opts.chat_template else "false",
-        "engine_factory": opts.engine_factory,
         "profile": "true" if opts.profile else "false",
         "extra_parameters": "\n".join(
             f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
@@ -178,8 +176,6 @@ def open_engine(params: Mapping[str, str]):
 
     Returns (engine, limits). Runs inside the Triton stub (and in tests without Triton).
     """
-    import importlib
-
     from .protocol import Limits
 
     max_batch = int(params.get("max_batch") or 32)
@@ -188,12 +184,6 @@ def open_engine(params: Mapping[str, str]):
                   max_tokens_limit=int(params.get("max_tokens_limit") or max_seq_len - 1),
                   default_max_tokens=int(params.get("default_max_tokens") or 128),
                   default_rule=params.get("default_decode_rule") or "lilicorr")
-    factory = params.get("engine_factory")
-    if factory:
-        module, _, fn = factory.partition(":")
-        engine = getattr(importlib.import_module(module), fn)(params)
-        return engine, Limits(vocab_size=getattr(engine, "vocab_size", None), **limits)
-
     import torch
 
     from lilicorr.engine import SpecEngine

@@ -26,9 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --target and no --ckpt: an untrained drafter+head (smoke tests only)")
     src.add_argument("--block-size", type=int, default=None, help="block size of the untrained drafter")
     src.add_argument("--draft-backend", default=None, help="override the manifest's draft backend")
-    src.add_argument("--engine-factory", default="",
-                     help="testing: 'module:function(params)' building a stand-in engine, e.g. "
-                          "lilicorr.serving.testing:echo_engine")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     net.add_argument("--grpc-port", type=int, default=8001)
@@ -79,7 +76,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
                         num_threads=args.num_threads, draft_backend=args.draft_backend,
                         chat_template=not args.no_chat_template, profile=args.profile,
-                        engine_factory=args.engine_factory, extra_parameters=extra)
+                        extra_parameters=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
