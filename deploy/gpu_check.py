@@ -44,10 +44,6 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# `python deploy/gpu_check.py` puts deploy/ first on sys.path, where deploy/profile.py would shadow
-# the standard library's `profile` (imported by torch); drop it
-if sys.path and sys.path[0] and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    sys.path.pop(0)
 
 # Table 3 of the paper (ms / block, MT-Bench, single H100, Qwen3-8B target)
 PAPER_TABLE3 = {

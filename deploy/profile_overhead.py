@@ -23,10 +23,6 @@ from __future__ import annotations
 import os
 import sys
 
-if __name__ == "__main__":  # keep the stdlib `profile` module importable (deploy/profile.py)
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
-
 import argparse
 import contextlib
 import json

@@ -84,7 +84,7 @@ class TorchDraftRunner:
             mask = inference_attention_mask(lengths, upto, b)
             hidden = model.drafter(emb, pos, ctx_kv, mask)                     # [N, B, H]
         with stage(STAGE_LM_HEAD):
-            slot_hidden = hidden[:, 1:]
+            slot_hidden = hidden[:, 1:].contiguous()
             slot_logits = model.drafter.logits(slot_hidden)                   # [N, S, V]
         with stage(STAGE_HEAD):
             return _propose_mixed(model, slot_hidden, slot_logits, target_state, rules)

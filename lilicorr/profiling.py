@@ -16,7 +16,7 @@ Three levels, cheapest first:
   ``LILICORR_PROFILE=1`` for one process-wide timer printed at exit): wall time per stage and per
   block. The timer synchronises the device (where CUDA is initialised) at both ends of every
   stage, inside the NVTX range, so GPU stages are timed rather than just launched and the NVTX
-  durations nsys reports match the timer's (``deploy/profile.py --nsys`` compares the two).
+  durations nsys reports match the timer's (``deploy/stage_profile.py --nsys`` compares the two).
 
 ``block`` (BLOCK) is one engine step over the running rows; the five stages nest inside it and add
 up to its wall time (prefill is outside blocks). ``parse_nvtx_sum_csv`` / ``table_from_nvtx`` turn

@@ -127,7 +127,7 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
     labels = ids[rows[:, None], label_pos]                               # [M, S]
     label_mask = in_range & loss_mask[rows[:, None], label_pos]          # [M, S]
 
-    slot_hidden = hidden[:, 1:]                                          # [M, S, H]
+    slot_hidden = hidden[:, 1:].contiguous()                             # [M, S, H]
     slot_logits = drafter.logits(slot_hidden)                            # [M, S, V]
     dflash_sum, dflash_w = dflash_terms(slot_logits, labels, label_mask, cfg.loss.beta)
 

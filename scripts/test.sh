@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/install.sh
 . .venv/bin/activate
 export PYTHONUNBUFFERED=1
+# one torch thread per process: on 2 shared cores more threads spin against each other
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 markers=${LILICORR_TEST_MARKERS:-}
 if [ -n "$markers" ]; then
   exec python -m pytest -q -m "$markers" "$@"

@@ -2,9 +2,9 @@
 """Table 3 stage decomposition of the speculative engine, from the stage timer and (with --nsys)
 from an Nsight Systems NVTX summary of the same run, side by side.
 
-    python deploy/profile.py --rules lilicorr,argmax,ar --suite gsm-symbolic --num-prompts 8 \\
+    python deploy/stage_profile.py --rules lilicorr,argmax,ar --suite gsm-symbolic --num-prompts 8 \\
         --max-tokens 64 --out results/stage_breakdown_cpu.md          # CPU default, untrained drafter
-    python deploy/profile.py --ckpt checkpoints/NAME --device cuda --dtype bfloat16 --nsys
+    python deploy/stage_profile.py --ckpt checkpoints/NAME --device cuda --dtype bfloat16 --nsys
 
 Workload: the target (default: the CPU default SmolLM2-135M-Instruct folder), a drafter + head
 from --ckpt, --engine-dir, or untrained (the `cpu` preset, seed 0: acceptance is then ~1 token per
@@ -20,17 +20,12 @@ the same table (lilicorr.profiling.parse_nvtx_sum_csv). The child keeps its stag
 stage boundaries are device-synchronised and the two sources time the same intervals. Without nsys
 on PATH it says so and prints the stage-timer table alone.
 
-(The file is named like the stdlib `profile` module; it drops its own folder from sys.path so a
-library importing `profile`/`cProfile` gets the stdlib one.)
+`deploy/profile.sh` runs this script (so no module in deploy/ is named like the stdlib `profile`).
 """
 from __future__ import annotations
 
 import os
 import sys
-
-if __name__ == "__main__":  # don't shadow the stdlib `profile` module (cProfile imports it)
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
 
 import argparse
 import glob
@@ -293,7 +288,7 @@ def report(args, argv, result: dict, nsys_msg: str | None) -> str:
              "Output tokens / s (incl. prefill)": {r: f"{runs[r]['tokens_per_s']:.2f}" for r in runs}}
     if "ar" in runs and runs["ar"]["tokens_per_s"] > 0:
         extra["Speedup over ar"] = {r: f"{runs[r]['tokens_per_s'] / runs['ar']['tokens_per_s']:.2f}x" for r in runs}
-    cmd = "python deploy/profile.py " + shlex.join(argv)
+    cmd = "python deploy/stage_profile.py " + shlex.join(argv)
     lines = [f"# Stage breakdown ({args.device}, {', '.join(runs)})", "",
              "Command:", "", "```", cmd, "```", "",
              f"- Target: `{_rel(args.target)}` ({args.dtype})",
@@ -365,7 +360,7 @@ def main(argv=None) -> int:
         Path(args.out).write_text(text)
     jpath = args.json or (str(Path(args.out).with_suffix(".json")) if args.out else None)
     if jpath:
-        raw = {"command": "python deploy/profile.py " + shlex.join(argv), "machine": machine_note(args),
+        raw = {"command": "python deploy/stage_profile.py " + shlex.join(argv), "machine": machine_note(args),
                "args": vars(args), **result}
         Path(jpath).write_text(json.dumps(raw, indent=1))
     return 0
