@@ -44,7 +44,7 @@ DEFAULT_TARGET = REPO / ".cache" / "smollm2-135m-instruct-float32"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=str(DEFAULT_TARGET), help="HF folder of the target (default: CPU default)")
+    p.add_argument("--target", default=os.path.relpath(DEFAULT_TARGET), help="HF folder of the target (default: CPU default)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--ckpt", default=None, help="drafter + head checkpoint directory")
     src.add_argument("--engine-dir", default=None, help="engine directory from convert/build_engine.py")

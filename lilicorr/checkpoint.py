@@ -57,6 +57,7 @@ def atomic_dir(final: Path, fill) -> Path:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)                      # mkdtemp makes 0700; a result dir is a normal dir
     try:
         fill(tmp)
         if final.exists():

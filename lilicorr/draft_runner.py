@@ -27,7 +27,25 @@ def pad_ragged(chunks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     return out, lengths
 
 
-class TorchDraftRunner:
+class ContextCacheRunner:
+    """What every draft runner shares: the drafter context cache (one slot per sequence)."""
+
+    cache: KVCache
+
+    def allocate(self) -> int:
+        return self.cache.allocate()
+
+    def free(self, slot: int) -> None:
+        self.cache.free(slot)
+
+    def context_length(self, slot: int) -> int:
+        return int(self.cache.lengths[slot])
+
+    def truncate(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
+        self.cache.truncate(slots, lengths)
+
+
+class TorchDraftRunner(ContextCacheRunner):
     """PyTorch eager drafter + head (the reference path; also what training exports)."""
 
     def __init__(self, model: LiLiCorrModel, num_slots: int, capacity: int = 256):
@@ -43,18 +61,6 @@ class TorchDraftRunner:
     @property
     def has_head(self) -> bool:
         return self.model.head is not None
-
-    def allocate(self) -> int:
-        return self.cache.allocate()
-
-    def free(self, slot: int) -> None:
-        self.cache.free(slot)
-
-    def context_length(self, slot: int) -> int:
-        return int(self.cache.lengths[slot])
-
-    def truncate(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.cache.truncate(slots, lengths)
 
     @torch.no_grad()
     def append_context(self, slots: torch.Tensor, feats: list[torch.Tensor], start_pos: torch.Tensor) -> None:

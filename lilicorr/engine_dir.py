@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from lilicorr.checkpoint import WEIGHTS, file_sha256, target_fingerprint
+
 MANIFEST = "manifest.json"
 FORMAT = "lilicorr-engine"
 FORMAT_VERSION = 1
@@ -38,14 +40,6 @@ class EngineDirError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------ hashing
-def file_sha256(path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def tokenizer_sha256(target_dir) -> str | None:
     """sha256 over the target folder's tokenizer files (tokenizer.json first); None if it has none."""
     target_dir = Path(target_dir)
@@ -72,7 +66,6 @@ def frozen_sha256(target) -> str:
 def target_record(target, target_dir=None) -> dict:
     """What the manifest keeps about the target: the checkpoint fingerprint, the full shape/rope
     config, a hash of the frozen tensors baked into the graph, and the tokenizer hash."""
-    from lilicorr.checkpoint import target_fingerprint
 
     c = target.config
     rec = {
@@ -208,7 +201,6 @@ def make_runner(engine_dir, target, num_slots: int, backend: str | None = "auto"
 
 
 def _torch_runner(manifest, engine_dir, target, num_slots, capacity):
-    from lilicorr.checkpoint import WEIGHTS
     from lilicorr.draft_runner import TorchDraftRunner
     from lilicorr.model import load_model
 

@@ -240,8 +240,17 @@ def _versions() -> dict:
 
 
 def _command_line(args) -> str:
-    argv = [sys.executable, "-m", "lilicorr.eval"] + list(getattr(args, "argv", None) or [])
+    argv = ["python", "-m", "lilicorr.eval"] + list(getattr(args, "argv", None) or [])
     return " ".join(shlex.quote(a) for a in argv)
+
+
+def _display_path(p) -> str:
+    """Relative to the working directory when inside it (reports carry no machine paths)."""
+    path = Path(p).resolve()
+    try:
+        return str(path.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 def _git_commit() -> str | None:
@@ -385,9 +394,9 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
         "meta": {
             "command": _command_line(args),
             "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            "target": str(Path(args.target).resolve()),
-            "ckpt": str(Path(args.ckpt).resolve()) if args.ckpt else None,
-            "engine": str(Path(args.engine).resolve()) if args.engine else None,
+            "target": _display_path(args.target),
+            "ckpt": _display_path(args.ckpt) if args.ckpt else None,
+            "engine": _display_path(args.engine) if args.engine else None,
             "untrained": bool(args.untrained),
             "prompts": args.prompts,
             "rules": args.rules,

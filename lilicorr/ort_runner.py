@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from lilicorr import lattice
-from lilicorr.draft_runner import pad_ragged
+from lilicorr.draft_runner import ContextCacheRunner, pad_ragged
 from lilicorr.engine_dir import EngineDirError, lilicorr_config
 from lilicorr.kv_cache import KVCache
 from lilicorr.model import Proposal
@@ -127,7 +127,7 @@ class TensorRTSession:
 
 
 # ------------------------------------------------------------------------------ runner
-class GraphDraftRunner:
+class GraphDraftRunner(ContextCacheRunner):
     """Runner over the two graphs of an engine directory; `sessions` = (context, draft)."""
 
     def __init__(self, manifest: dict, sessions, num_slots: int, capacity: int = 256):
@@ -148,18 +148,6 @@ class GraphDraftRunner:
     @property
     def has_head(self) -> bool:
         return self._has_head
-
-    def allocate(self) -> int:
-        return self.cache.allocate()
-
-    def free(self, slot: int) -> None:
-        self.cache.free(slot)
-
-    def context_length(self, slot: int) -> int:
-        return int(self.cache.lengths[slot])
-
-    def truncate(self, slots: torch.Tensor, lengths: torch.Tensor) -> None:
-        self.cache.truncate(slots, lengths)
 
     @torch.no_grad()
     def append_context(self, slots: torch.Tensor, feats: list[torch.Tensor], start_pos: torch.Tensor) -> None:

@@ -32,6 +32,16 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """One intra-op thread for the whole run: on shared 2-core machines two OpenMP threads spin
+    against each other and other jobs (small matmuls 10-20x slower); tiny models gain nothing."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 FAMILY_CONFIG = {
     "llama": dict(model_type="llama", num_attention_heads=4, num_key_value_heads=2, head_dim=16),
     "qwen2": dict(model_type="qwen2", num_attention_heads=4, num_key_value_heads=2),

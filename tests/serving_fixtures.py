@@ -124,7 +124,6 @@ def offline_engine(serving_target, tiny_engine_dir):
     import torch
 
     from lilicorr.engine import SpecEngine
-    torch.set_num_threads(1)
     if tiny_engine_dir is not None:
         return SpecEngine.from_paths(serving_target, engine_dir=tiny_engine_dir, draft_backend="onnxruntime",
                                      max_batch=8, max_seq_len=MAX_SEQ_LEN)

@@ -26,19 +26,6 @@ RULES = ("lilicorr", "viterbi", "argmax", "ar")
 SPEC_RULES = ("lilicorr", "viterbi", "argmax")
 
 
-# ------------------------------------------------------------------------------------- threads
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """Run a module's tests with one intra-op thread (import this fixture into the module).
-
-    On the shared 2-core machines two OpenMP threads contend with other jobs and small matmuls
-    get 10-20x slower; the tiny models here gain nothing from a second thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # ------------------------------------------------------------------------------------- models
 @lru_cache(maxsize=None)
 def target_of(path) -> "torch.nn.Module":

@@ -21,7 +21,7 @@ from lilicorr.model import untrained_model
 from lilicorr.profiling import BLOCK, STAGES, StageTimer, current_timer
 from lilicorr.tokenizer import Tokenizer
 
-from spec_helpers import (RULES, SPEC_RULES, Corruptor, ScriptedRunner, hf_greedy, one_torch_thread,  # noqa: F401
+from spec_helpers import (RULES, SPEC_RULES, Corruptor, ScriptedRunner, hf_greedy,  # noqa: F401
                           random_prompts, run_requests, small_model, target_greedy, target_of)
 
 pytest.importorskip("transformers")

@@ -15,7 +15,7 @@ from lilicorr.eval import main
 from lilicorr.model import untrained_model
 from lilicorr.target import load_target
 
-from spec_helpers import REPO_ROOT, one_torch_thread  # noqa: F401
+from spec_helpers import REPO_ROOT
 
 pytest.importorskip("transformers")
 

@@ -16,15 +16,6 @@ V, H, NCAP, B, K = 50, 24, 3, 6, 4          # vocab, target hidden, captured lay
 S = B - 1
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is many times faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_head(seed: int = 0, **over) -> LiLiCorrHead:
     torch.manual_seed(seed)
     embed = nn.Embedding(V, H).requires_grad_(False)

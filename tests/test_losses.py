@@ -20,15 +20,6 @@ from lilicorr.losses import (LossTerms, combine, dflash_terms, oracle_prefix, re
                              teacher_forced_scores)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is many times faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _logq_with_gt_on_top(n, s, k, gt_index, gen):
     """Target log-probabilities of the pool where the ground truth is the most likely candidate."""
     logq = torch.log_softmax(torch.randn(n, s, k, generator=gen) * 2.0, dim=-1) - 1.0

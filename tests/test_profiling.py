@@ -73,16 +73,6 @@ def spy(monkeypatch):
     return d
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread (restored after): on the shared 2-core machines two threads spin against
-    each other and the other jobs, tens of times slower; deploy/stage_profile.py also sets 1 on CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def tiny_engine(tiny_target_dir):
     target = target_of(tiny_target_dir("llama"))

@@ -15,7 +15,7 @@ import torch
 from lilicorr.draft_runner import TorchDraftRunner
 from lilicorr.engine import SpecEngine
 
-from spec_helpers import ScriptedRunner, chi2_test, one_torch_thread, run_requests, small_model, target_of  # noqa: F401
+from spec_helpers import ScriptedRunner, chi2_test, run_requests, small_model, target_of  # noqa: F401
 
 VOCAB = 8
 PROMPT = [1, 5, 7, 4]

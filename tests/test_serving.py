@@ -170,7 +170,6 @@ def make_engine(serving_target):
     import torch
 
     from lilicorr.engine import SpecEngine
-    torch.set_num_threads(1)
 
     def make(max_batch: int = 8, cls=SpecEngine):
         return cls.from_paths(serving_target, untrained_seed=0, block_size=BLOCK_SIZE, max_batch=max_batch,

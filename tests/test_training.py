@@ -27,15 +27,6 @@ TRAIN_PY = REPO / "train" / "train.py"
 PROMPT, COMPLETION = 4, 36
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny models: one intra-op thread is many times faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 # -- fixtures ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def target_dir(tiny_target_dir):

@@ -1,0 +1,129 @@
+"""Collect the CPU experiment (scripts/cpu_experiment.sh) into results/cpu_smollm2/.
+
+    python scripts/cpu_report.py [--work work/cpu_smollm2] [--out results/cpu_smollm2]
+
+Copies the eval JSON files, plots the training curves from the checkpoints' step logs, and writes
+README.md with the tables: tau / tokens per second / speedup per suite and rule, tau relative to
+vanilla DFlash, tau / oracle tau, the greedy-vs-Viterbi delta and the loss ablation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+MODELS = {"vanilla": "vanilla DFlash (--vanilla)", "lilicorr": "LiLiCorr, joint (full loss)",
+          "nodist": "LiLiCorr without L_dist (Appendix C)", "margin": "LiLiCorr + margin (Appendix G)"}
+
+
+def read_log(path: Path) -> list[dict]:
+    by_step: dict[int, dict] = {}
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            by_step[rec["step"]] = rec            # a resumed run repeats steps: keep the last
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def plot_curves(logs: dict[str, list[dict]], out: Path) -> None:
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for name, recs in logs.items():
+        steps = [r["step"] for r in recs]
+        axes[0].plot(steps, [r["dflash"] for r in recs], label=name)
+        axes[1].plot(steps, [r["oracle_coverage"] for r in recs], label=name)
+        key = "tau_lilicorr" if "tau_lilicorr" in recs[-1] else "tau_argmax"
+        axes[2].plot(steps, [r[key] for r in recs], label=f"{name} ({key[4:]})")
+    for ax, title in zip(axes, ("DFlash CE (Eq. 6)", "oracle prefix length (slots)",
+                                "teacher-forced tau estimate")):
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def fmt(x, spec=".3f"):
+    return "–" if x is None else format(x, spec)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", default="work/cpu_smollm2")
+    ap.add_argument("--out", default="results/cpu_smollm2")
+    args = ap.parse_args()
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    logs = {m: read_log(work / f"ckpt-{m}.log.jsonl") for m in MODELS if (work / f"ckpt-{m}.log.jsonl").exists()}
+    if logs:
+        plot_curves(logs, out / "training_curves.png")
+    evals = {}
+    for m in MODELS:
+        src = work / f"eval-{m}.json"
+        if src.exists():
+            shutil.copy(src, out / src.name)
+            for png in work.glob(f"eval-{m}*.png"):
+                shutil.copy(png, out / png.name)
+            evals[m] = json.loads(src.read_text())
+
+    lines = ["# LiLiCorr vs vanilla DFlash at CPU scale (SmolLM2-135M-Instruct target)", ""]
+    lines += ["Produced by `bash scripts/cpu_experiment.sh` then `python scripts/cpu_report.py`.", ""]
+    if logs:
+        lines += ["## Training", "", "| model | steps | final DFlash CE | oracle prefix | teacher-forced tau |",
+                  "|---|---:|---:|---:|---:|"]
+        for m, recs in logs.items():
+            r = recs[-1]
+            tau = r.get("tau_lilicorr", r.get("tau_argmax"))
+            lines.append(f"| {MODELS[m]} | {r['step']} | {r['dflash']:.3f} | {r['oracle_coverage']:.2f} | {tau:.3f} |")
+        lines += ["", "![training curves](training_curves.png)", ""]
+    if evals:
+        lines += ["## Evaluation (greedy, tau / tokens per s / speedup over ar)", ""]
+        rows = []
+        for m, doc in evals.items():
+            for suite, per_rule in doc["results"].items():
+                for rule, r in per_rule.items():
+                    r0 = r if "tau" in r else next(iter(r.values()))
+                    rows.append((suite, m, rule, r0))
+        lines += ["| suite | model | rule | tau | oracle tau | tau/oracle | tokens/s | speedup |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
+        for suite, m, rule, r in sorted(rows, key=lambda x: (x[0], x[1], x[2])):
+            ratio = r["tau"] / r["oracle_tau"] if r.get("tau") and r.get("oracle_tau") else None
+            lines.append(f"| {suite} | {m} | {rule} | {fmt(r.get('tau'))} | {fmt(r.get('oracle_tau'))} | "
+                         f"{fmt(ratio)} | {fmt(r.get('tokens_per_s'), '.1f')} | {fmt(r.get('speedup_vs_ar'), '.2f')} |")
+        lines.append("")
+        base = {s: pr["argmax"] for s, pr in evals.get("vanilla", {}).get("results", {}).items() if "argmax" in pr}
+        if base and "lilicorr" in evals:
+            lines += ["## tau relative to vanilla DFlash (argmax on the vanilla drafter)", "",
+                      "| suite | jointly trained, argmax | LiLiCorr (greedy walk) | Viterbi | Viterbi vs greedy |",
+                      "|---|---:|---:|---:|---:|"]
+            for suite, pr in evals["lilicorr"]["results"].items():
+                b = base.get(suite, {}).get("tau")
+                rel = {k: (pr[k]["tau"] / b - 1) * 100 if b and k in pr else None for k in ("argmax", "lilicorr", "viterbi")}
+                dv = ((pr["viterbi"]["tau"] / pr["lilicorr"]["tau"] - 1) * 100
+                      if "viterbi" in pr and "lilicorr" in pr else None)
+                lines.append(f"| {suite} | {fmt(rel['argmax'], '+.1f')}% | {fmt(rel['lilicorr'], '+.1f')}% | "
+                             f"{fmt(rel['viterbi'], '+.1f')}% | {fmt(dv, '+.1f')}% |")
+            lines.append("")
+        if "nodist" in evals and "lilicorr" in evals:
+            lines += ["## Loss ablation (Appendix C): tau of the lilicorr rule", "", "| suite | full | without L_dist |",
+                      "|---|---:|---:|"]
+            for suite, pr in evals["lilicorr"]["results"].items():
+                nd = evals["nodist"]["results"].get(suite, {}).get("lilicorr", {}).get("tau")
+                lines.append(f"| {suite} | {fmt(pr.get('lilicorr', {}).get('tau'))} | {fmt(nd)} |")
+            lines.append("")
+        lines += ["## Commands", ""] + [f"    {doc['meta']['command']}" for doc in evals.values()] + [""]
+    (out / "README.md").write_text("\n".join(lines))
+    print(out / "README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
