@@ -4,7 +4,8 @@
 waiting jobs (``engine.add_request``), checks cancellations (``sink.is_cancelled()`` ->
 ``engine.cancel(rid)``), runs ``engine.step()`` and streams each step's new tokens through the
 job's sink. Every job ends with exactly one final response (data, error, or an empty FINAL after
-a cancellation), so no client waits forever. Pure Python: tests drive it with a fake engine.
+a cancellation), so no client waits forever. Tests drive it with a real engine on a tiny target
+and a recording sink.
 
 The pattern is TensorRT-LLM's Python-backend ``tensorrt_llm`` model (engine + awaiter +
 cancellation threads), folded into one thread since our engine steps synchronously.
@@ -20,6 +21,8 @@ import traceback
 from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
+
+from lilicorr.profiling import end_request_range, request_range
 
 from .protocol import CONTEXT_WINDOW, GenerationParams
 
@@ -51,6 +54,13 @@ class Job:
     steps: int = 0
     events: int = 0
     done: bool = False
+    nvtx: Any = None          # per-request NVTX range (lilicorr.profiling.request_range)
+
+    def finish(self) -> None:
+        """Mark the job answered and close its NVTX request range."""
+        self.done = True
+        end_request_range(self.nvtx)
+        self.nvtx = None
 
     def label(self) -> str:
         return f"request {self.request_id!r}" if self.request_id else "request <no id>"
@@ -191,6 +201,7 @@ class EngineLoop:
                 job.rid = self.engine.add_request(job.prompt_ids, p.max_tokens, rule=p.decode_rule,
                                                   temperature=p.temperature, seed=p.seed,
                                                   stop_ids=None if p.ignore_eos else self.stop_ids)
+                job.nvtx = request_range("request", payload=job.rid)
             except ValueError as e:
                 self._fail(job, INVALID_ARG, f"{job.label()}: {e}")
                 continue
@@ -261,7 +272,7 @@ class EngineLoop:
                     pass
                 continue
             if final:
-                job.done = True
+                job.finish()
                 self.stats.requests_ok += 1
         self._publish(events)
 
@@ -297,7 +308,7 @@ class EngineLoop:
         """FINAL is still required after a cancellation. A job stopped by request id (its
         requester, e.g. an ensemble, is still listening) gets a last data response with
         finish_reason "cancelled"; a job whose client is gone gets an empty FINAL."""
-        job.done = True
+        job.finish()
         self.stats.requests_cancelled += 1
         if not send:
             return
@@ -310,7 +321,7 @@ class EngineLoop:
             pass
 
     def _fail(self, job: Job, code: str, message: str) -> None:
-        job.done = True
+        job.finish()
         self.stats.requests_failed += 1
         try:
             job.sink.send_error(code, message)

@@ -143,6 +143,7 @@ class TritonPythonModel:
             if timer is not None:
                 self.metrics.sync_stages(timer)
 
+        self.timer = timer
         self.loop = EngineLoop(
             self.engine,
             max_active=int(params.get("max_batch") or 32),
@@ -203,4 +204,7 @@ class TritonPythonModel:
     def finalize(self):
         self.loop.stop()
         self.metrics.sync(self.loop.stats)
+        if self.timer is not None and self.timer.blocks:       # Table 3 decomposition in the server log
+            pb_utils.Logger.log_info("lilicorr stage decomposition at shutdown:\n" +
+                                     self.timer.markdown("LiLiCorr engine, all requests"))
         self.metrics.close()
