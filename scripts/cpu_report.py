@@ -45,6 +45,7 @@ def plot_curves(logs: dict[str, list[dict]], out: Path) -> None:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         ax.legend()
+    axes[0].set_yscale("log")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -76,6 +77,23 @@ def main() -> int:
 
     lines = ["# LiLiCorr vs vanilla DFlash at CPU scale (SmolLM2-135M-Instruct target)", ""]
     lines += ["Produced by `bash scripts/cpu_experiment.sh` then `python scripts/cpu_report.py`.", ""]
+    regen = work / "regen.jsonl"
+    if regen.exists():
+        recs = [json.loads(x) for x in regen.read_text().splitlines() if x.strip()]
+        kinds: dict[str, int] = {}
+        for r in recs:
+            kinds[r.get("kind", "?")] = kinds.get(r.get("kind", "?"), 0) + 1
+        ntok = sum(len(r["completion_ids"]) for r in recs)
+        lines += ["## Setup", "",
+                  f"- Data: {len(recs)} conversations regenerated greedily by the target "
+                  f"({ntok} completion tokens; " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) +
+                  "), prompts from `lilicorr.data.prompt_sources` (no overlap with the eval suites).",
+                  "- Models: `cpu` preset (2-layer drafter at the target's width, B=8, K=8, head width 256, "
+                  "d_e=128, sigma=8), equal data, steps, batch and anchors for every arm; target features "
+                  "precomputed once (`--features`).",
+                  "- Machine: 2 shared CPU cores, one torch thread per process. tokens/s and speedup are "
+                  "measured side by side within each eval run, but runs overlapped with other jobs: treat "
+                  "them as noisy; tau and oracle tau are exact counts.", ""]
     if logs:
         lines += ["## Training", "", "| model | steps | final DFlash CE | oracle prefix | teacher-forced tau |",
                   "|---|---:|---:|---:|---:|"]
