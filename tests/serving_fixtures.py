@@ -34,14 +34,6 @@ def have_tritonserver() -> bool:
         return False
 
 
-def have_engine() -> bool:
-    try:
-        import lilicorr.engine  # noqa: F401
-        return True
-    except ImportError:
-        return False
-
-
 def start_server(repo: Path, **kwargs) -> TritonServer:
     if not have_tritonserver():
         pytest.skip("no tritonserver (install the serve extra)")
@@ -61,18 +53,10 @@ def serving_target(tiny_target_dir) -> Path:
     return tiny_target_dir("llama")
 
 
-def have_export() -> bool:
-    import importlib.util
-    return all(importlib.util.find_spec(m) is not None
-               for m in ("lilicorr.export", "onnx", "onnxruntime", "onnxscript"))
-
-
 @pytest.fixture(scope="session")
-def tiny_engine_dir(serving_target, tmp_path_factory) -> Path | None:
+def tiny_engine_dir(serving_target, tmp_path_factory) -> Path:
     """An onnxruntime engine directory (convert/build_engine.py's code) from an untrained
-    checkpoint (block size 4) on the tiny target; None where the converter cannot run."""
-    if not (have_engine() and have_export()):
-        return None
+    checkpoint (block size 4) on the tiny target."""
     from lilicorr import checkpoint as ckpt_io
     from lilicorr.export import BuildOptions, build_engine_dir
     from lilicorr.model import untrained_model
@@ -95,8 +79,6 @@ def engine_spec(serving_target: Path, engine_dir: Path | None) -> EngineSpec:
 def engine_repository(serving_target: Path, engine_dir: Path | None, out: Path, **kw) -> Path:
     """The model repository of the real SpecEngine: the built engine dir (ONNX Runtime drafter)
     or, without the converter, an untrained torch drafter (max_batch 32: 32 concurrent streams)."""
-    if not have_engine():
-        pytest.skip("lilicorr.engine not available yet")
     opts = engine_options(**kw)
     if engine_dir is not None:
         opts.extra_parameters = {}
@@ -119,8 +101,6 @@ def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def offline_engine(serving_target, tiny_engine_dir):
     """The same engine the server runs, in the test process (the reference for greedy outputs)."""
-    if not have_engine():
-        pytest.skip("lilicorr.engine not available yet")
     import torch
 
     from lilicorr.engine import SpecEngine

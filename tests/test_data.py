@@ -6,7 +6,6 @@ missing. The subprocess kill/resume test is ``slow``.
 """
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -191,66 +190,7 @@ def test_training_math_seeds_disjoint_from_eval():
     assert ms.GSM_SEED not in seeds
 
 
-# ----------------------------------------------------------------------------- regen (fake engine)
-@dataclasses.dataclass
-class _Ev:
-    rid: int
-    new_tokens: list
-    finished: bool
-    finish_reason: str | None
-    accepted: int = 0
-    drafted: int = 0
-
-
-class FakeTokenizer:
-    eos_ids = [1]
-
-    def encode_chat(self, messages, add_generation_prompt=True):
-        ids = [2]
-        for m in messages:
-            ids += [3] + [4 + (b % 200) for b in m["content"].encode()[:50]]
-        return ids + ([3] if add_generation_prompt else [])
-
-    def decode(self, ids, skip_special_tokens=False):
-        return "".join(chr(ord("a") + t % 26) for t in ids if not (skip_special_tokens and t < 4))
-
-
-class FakeEngine:
-    """Greedy-looking deterministic stand-in: the continuation is a function of the prompt only."""
-
-    def __init__(self, max_batch=4):
-        self.max_batch, self.reqs, self.next_rid, self.rules = max_batch, {}, 0, set()
-
-    def add_request(self, prompt_ids, max_tokens, rule="lilicorr", temperature=0.0, seed=None, stop_ids=None):
-        assert len(self.reqs) < self.max_batch
-        self.rules.add(rule)
-        h = sum(prompt_ids) % 97
-        full = [5 + (h * 7 + i * 13) % 50 for i in range(h % 9 + 1)] + [1]   # ends with eos = 1
-        self.reqs[self.next_rid] = dict(full=full, pos=0, max=max_tokens, stop=set(stop_ids or []))
-        self.next_rid += 1
-        return self.next_rid - 1
-
-    def step(self):
-        evs = []
-        for rid, r in list(self.reqs.items()):
-            new = []
-            for _ in range(2):                   # up to two tokens per step, like an accepted draft
-                t = r["full"][r["pos"]]
-                r["pos"] += 1
-                new.append(t)
-                if t in r["stop"] or r["pos"] >= r["max"]:
-                    break
-            done, reason = (True, "stop") if new[-1] in r["stop"] else \
-                ((True, "length") if r["pos"] >= r["max"] else (False, None))
-            evs.append(_Ev(rid, new, done, reason))
-            if done:
-                del self.reqs[rid]
-        return evs
-
-    def cancel(self, rid):
-        self.reqs.pop(rid, None)
-
-
+# ----------------------------------------------------------------------------- regen (tiny target)
 def _prompts(n):
     return [{"id": f"p{i}", "kind": "chat", "source": "test", "prompt": f"question number {i} " * (i % 3 + 1)}
             for i in range(n)]
@@ -260,75 +200,67 @@ def _lines(path):
     return [json.loads(l) for l in Path(path).read_text(encoding="utf-8").splitlines()]
 
 
-def test_regen_fake_engine_and_resume(tmp_path):
+def test_regen_resume_and_early_stop(tiny_target_dir, tmp_path):
     from lilicorr.regen import regenerate
+    from lilicorr.tokenizer import Tokenizer
+    target = tiny_target_dir("llama")
+    tok = Tokenizer.from_dir(target)
     out = tmp_path / "regen.jsonl"
-    tok = FakeTokenizer()
-    kw = dict(prompts=_prompts(10), max_new_tokens=6, batch_size=3, tokenizer=tok, progress=False)
-    eng = FakeEngine(3)
-    st = regenerate(None, out, engine=eng, **kw)
-    assert eng.rules == {"ar"}
+    kw = dict(prompts=_prompts(10), max_new_tokens=6, batch_size=3, progress=False, max_seq_len=256)
+    st = regenerate(target, out, **kw)
     assert st["written"] == 10 and st["already_done"] == 0
     full = {r["id"]: r for r in _lines(out)}
     assert set(full) == {f"p{i}" for i in range(10)}
     for r in full.values():
         assert set(r) >= {"id", "messages", "prompt_ids", "completion_ids", "finish_reason"}
-        assert r["messages"][0]["role"] == "user" and r["messages"][-1]["role"] == "assistant"
-        assert len(r["messages"]) == 2
+        assert [m["role"] for m in r["messages"]] == ["user", "assistant"]
         assert r["prompt_ids"] == tok.encode_chat(r["messages"][:1])
         assert 1 <= len(r["completion_ids"]) <= 6
         assert r["finish_reason"] in ("stop", "length")
-        if r["finish_reason"] == "stop":
-            assert r["completion_ids"][-1] == 1
-            assert r["messages"][-1]["content"] == tok.decode(r["completion_ids"][:-1])
-        else:
+        if r["finish_reason"] == "length":
             assert len(r["completion_ids"]) == 6
-    assert {r["finish_reason"] for r in full.values()} == {"stop", "length"}
+        else:
+            assert r["completion_ids"][-1] in tok.eos_ids
 
     # nothing to do on a rerun
-    assert regenerate(None, out, engine=FakeEngine(3), **kw)["written"] == 0
+    assert regenerate(target, out, **kw)["written"] == 0
 
     # interruption: keep 4 lines and half of the 5th
     raw = out.read_bytes().split(b"\n")
     out.write_bytes(b"\n".join(raw[:4]) + b"\n" + raw[4][: len(raw[4]) // 2])
-    st = regenerate(None, out, engine=FakeEngine(3), **kw)
+    st = regenerate(target, out, **kw)
     assert st["already_done"] == 4 and st["written"] == 6
     again = _lines(out)                                      # every line parses: partial line dropped
-    assert len(again) == 10 and {r["id"]: r for r in again} == full
+    assert len(again) == 10 and {r["id"]: r for r in again} == full   # greedy: same continuations
 
     # stop early, then resume
     out2 = tmp_path / "b.jsonl"
-    assert regenerate(None, out2, engine=FakeEngine(3), max_prompts_this_run=4, **kw)["written"] == 4
+    assert regenerate(target, out2, max_prompts_this_run=4, **kw)["written"] == 4
     assert len(_lines(out2)) == 4
-    assert regenerate(None, out2, engine=FakeEngine(3), **kw)["written"] == 6
+    assert regenerate(target, out2, **kw)["written"] == 6
     assert {r["id"]: r for r in _lines(out2)} == full
 
 
-def test_regen_guards(tmp_path):
+def test_regen_guards(tiny_target_dir, tmp_path):
     from lilicorr.regen import regenerate, repair_and_read
+    target = tiny_target_dir("llama")
     out = tmp_path / "r.jsonl"
-    kw = dict(prompts=_prompts(3), max_new_tokens=4, batch_size=2, tokenizer=FakeTokenizer(), progress=False)
-    regenerate(None, out, engine=FakeEngine(2), seed=0, **kw)
+    kw = dict(prompts=_prompts(3), max_new_tokens=4, batch_size=2, progress=False)
+    regenerate(target, out, seed=0, **kw)
     with pytest.raises(ValueError, match="other settings"):
-        regenerate(None, out, engine=FakeEngine(2), seed=1, **kw)
+        regenerate(target, out, seed=1, **kw)
     out.write_text(out.read_text() + "not json\n")          # a complete bad line is corruption
     with pytest.raises(ValueError, match=r"r\.jsonl:4: invalid JSON"):
         repair_and_read(out)
     out.write_text('{"id": "x", "pa')                       # only a partial line
     assert repair_and_read(out) == {} and out.read_bytes() == b""
     # too-long prompts are skipped, not sent
-    st = regenerate(None, tmp_path / "s.jsonl", engine=FakeEngine(2), max_seq_len=10, **kw)
+    st = regenerate(target, tmp_path / "s.jsonl", max_seq_len=10, **kw)
     assert st["skipped_too_long"] == 3 and st["written"] == 0
 
 
-# ----------------------------------------------------------------------------- regen (tiny target)
 def _tiny_target(request):
-    if importlib.util.find_spec("lilicorr.engine") is None or importlib.util.find_spec("lilicorr.tokenizer") is None:
-        pytest.skip("lilicorr.engine / lilicorr.tokenizer not written yet")
-    try:
-        factory = request.getfixturevalue("tiny_target_dir")
-    except pytest.FixtureLookupError:
-        pytest.skip("tests/conftest.py has no tiny_target_dir fixture yet")
+    factory = request.getfixturevalue("tiny_target_dir")
     return factory("llama", max_position_embeddings=1024)   # room for stdlib-sized prompts
 
 
