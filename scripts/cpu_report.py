@@ -137,6 +137,24 @@ def main() -> int:
                 nd = evals["nodist"]["results"].get(suite, {}).get("lilicorr", {}).get("tau")
                 lines.append(f"| {suite} | {fmt(pr.get('lilicorr', {}).get('tau'))} | {fmt(nd)} |")
             lines.append("")
+        t1 = {}
+        for m in ("vanilla", "lilicorr"):
+            src = work / f"eval-{m}-t1.json"
+            if src.exists():
+                shutil.copy(src, out / src.name)
+                t1[m] = json.loads(src.read_text())
+        if len(t1) == 2:
+            lines += ["## Temperature 1 (exact rejection sampling, mean ± std over seeds)", "",
+                      "| suite | vanilla, argmax | LiLiCorr joint, lilicorr | relative |", "|---|---:|---:|---:|"]
+            for suite, pr in t1["lilicorr"]["results"].items():
+                a = t1["vanilla"]["results"].get(suite, {}).get("argmax")
+                b = pr.get("lilicorr")
+                if a and b:
+                    lines.append(f"| {suite} | {a['tau']:.3f} ± {a.get('std', {}).get('tau') or 0:.3f} | "
+                                 f"{b['tau']:.3f} ± {b.get('std', {}).get('tau') or 0:.3f} | "
+                                 f"{(b['tau'] / a['tau'] - 1) * 100:+.1f}% |")
+            lines.append("")
+            evals.update({f"{m}-t1": d for m, d in t1.items()})
         lines += ["## Commands", ""] + [f"    {doc['meta']['command']}" for doc in evals.values()] + [""]
     (out / "README.md").write_text("\n".join(lines))
     print(out / "README.md")
