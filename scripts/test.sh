@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's test command: installs (idempotent) and runs the test suite.
-# Default: everything except tests marked `slow`-only heavy runs listed in LILICORR_TEST_MARKERS.
+# Runs the whole suite, slow and integration tests included (about 10 minutes on 2 cores);
+# LILICORR_TEST_MARKERS (a pytest -m expression) or extra pytest arguments select a subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
