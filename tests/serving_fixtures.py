@@ -18,7 +18,7 @@ import pytest
 
 from lilicorr.serving.client import LiLiCorrClient
 from lilicorr.serving.launcher import TritonServer, find_tritonserver
-from lilicorr.serving.repository import EngineSpec, ServeOptions, generate_repository
+from lilicorr.serving.repository import ServeOptions, generate_repository
 
 BLOCK_SIZE = 4
 MAX_SEQ_LEN = 128          # the tiny target's max_position_embeddings
@@ -43,9 +43,9 @@ def start_server(repo: Path, **kwargs) -> TritonServer:
 
 
 def engine_options(**kw) -> ServeOptions:
+    """Serving options of the test server; the draft backend is the engine manifest's."""
     return ServeOptions(max_batch=32, max_seq_len=MAX_SEQ_LEN, default_max_tokens=16, num_threads=1,
-                        device="cpu", draft_backend="torch",
-                        extra_parameters={"untrained_seed": "0", "block_size": str(BLOCK_SIZE)}, **kw)
+                        device="cpu", **kw)
 
 
 @pytest.fixture(scope="session")
@@ -69,21 +69,11 @@ def tiny_engine_dir(serving_target, tmp_path_factory) -> Path:
     return build_engine_dir(ckpt, serving_target, base / "engines" / "tiny-onnxruntime", BuildOptions(log=None))
 
 
-def engine_spec(serving_target: Path, engine_dir: Path | None) -> EngineSpec:
-    if engine_dir is not None:
-        from lilicorr.serving.repository import read_engine_manifest
-        return read_engine_manifest(engine_dir)
-    return EngineSpec(target_dir=serving_target)
-
-
-def engine_repository(serving_target: Path, engine_dir: Path | None, out: Path, **kw) -> Path:
-    """The model repository of the real SpecEngine: the built engine dir (ONNX Runtime drafter)
-    or, without the converter, an untrained torch drafter (max_batch 32: 32 concurrent streams)."""
-    opts = engine_options(**kw)
-    if engine_dir is not None:
-        opts.extra_parameters = {}
-        opts.draft_backend = None          # the manifest's (onnxruntime)
-    return generate_repository(engine_spec(serving_target, engine_dir), out, opts)
+def engine_repository(serving_target: Path, engine_dir: Path, out: Path, **kw) -> Path:
+    """The model repository of the real SpecEngine on the built engine dir (ONNX Runtime drafter;
+    max_batch 32: 32 concurrent streams). `serving_target` is the dir the manifest points at."""
+    from lilicorr.serving.repository import read_engine_manifest
+    return generate_repository(read_engine_manifest(engine_dir), out, engine_options(**kw))
 
 
 @pytest.fixture(scope="session")
@@ -101,14 +91,9 @@ def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def offline_engine(serving_target, tiny_engine_dir):
     """The same engine the server runs, in the test process (the reference for greedy outputs)."""
-    import torch
-
     from lilicorr.engine import SpecEngine
-    if tiny_engine_dir is not None:
-        return SpecEngine.from_paths(serving_target, engine_dir=tiny_engine_dir, draft_backend="onnxruntime",
-                                     max_batch=8, max_seq_len=MAX_SEQ_LEN)
-    return SpecEngine.from_paths(serving_target, untrained_seed=0, block_size=BLOCK_SIZE, max_batch=8,
-                                 max_seq_len=MAX_SEQ_LEN)
+    return SpecEngine.from_paths(serving_target, engine_dir=tiny_engine_dir, draft_backend="onnxruntime",
+                                 max_batch=8, max_seq_len=MAX_SEQ_LEN)
 
 
 @pytest.fixture(scope="session")

@@ -167,8 +167,6 @@ class RecordingSink:
 @pytest.fixture(scope="module")
 def make_engine(serving_target):
     """make_engine(max_batch) -> a fresh SpecEngine (untrained drafter + head, seed 0)."""
-    import torch
-
     from lilicorr.engine import SpecEngine
 
     def make(max_batch: int = 8, cls=SpecEngine):
@@ -629,6 +627,16 @@ def test_client_disconnect_frees_sequence(engine_server, good_request, model):
     good_request(client)
 
 
+def _idle_metrics(server, timeout: float = 10.0) -> str:
+    """/metrics once the engine holds no active request (or after `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = metrics_text(server)
+        if metric(text, "lilicorr_requests", state="active") == 0 or time.monotonic() > deadline:
+            return text
+        time.sleep(0.05)
+
+
 @integration
 def test_32_concurrent_streams_lose_nothing(engine_server, tokenizer, reference):
     """32 concurrent greedy streams (max_batch 32; text and token-id requests, all four rules,
@@ -646,7 +654,7 @@ def test_32_concurrent_streams_lose_nothing(engine_server, tokenizer, reference)
             ids = [1] + rng.integers(6, 96, size=int(rng.integers(2, 12))).tolist()
             reqs.append((dict(input_ids=ids), ids, rule, n, ignore_eos))
     expected = [reference(ids, n, rule, ignore_eos) for _, ids, rule, n, ignore_eos in reqs]
-    before = metrics_text(engine_server)
+    before = _idle_metrics(engine_server)       # earlier tests' cancelled streams have drained
     peak = []
     stop_polling = threading.Event()
 
@@ -672,7 +680,7 @@ def test_32_concurrent_streams_lose_nothing(engine_server, tokenizer, reference)
             assert r.text == tokenizer.decode(r.token_ids)
         assert r.token_times == sorted(r.token_times) and len(r.token_times) == len(r.token_ids)
         assert r.drafted == (0 if rule == "ar" else (BLOCK_SIZE - 1) * r.steps)
-    text = metrics_text(engine_server)
+    text = _idle_metrics(engine_server)         # the gauges are published after the engine step
     assert metric(text, "lilicorr_requests_completed") - metric(before, "lilicorr_requests_completed") == 32
     assert (metric(text, "lilicorr_output_tokens") - metric(before, "lilicorr_output_tokens")
             == sum(len(r.token_ids) for r in res))
@@ -784,10 +792,7 @@ def test_serve_script_sigterm(serving_target, tiny_engine_dir, tokenizer, refere
         pytest.skip("no tritonserver")
     dirs_before = _our_tmp_dirs()
     ports = [free_port() for _ in range(3)]
-    if tiny_engine_dir is not None:
-        what = ["--engine", str(tiny_engine_dir)]
-    else:
-        what = ["--target", str(serving_target), "--untrained-seed", "0", "--block-size", str(BLOCK_SIZE)]
+    what = ["--engine", str(tiny_engine_dir)]
     cmd = [sys.executable, str(REPO / "deploy" / "serve.py"), *what, "--num-threads", "1", "--device", "cpu",
            "--max-seq-len", str(MAX_SEQ_LEN),
            "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]
