@@ -92,6 +92,22 @@ class _Seq:
         return len(self.prompt) + len(self.tokens) - 1
 
 
+def length_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
+    """Indices of `lengths` grouped for padded batching: sorted by length, a group grows while its
+    padded size (count x longest) stays within (1 + waste) x its real tokens plus 64 per row."""
+    groups: list[list[int]] = []
+    total = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        g = groups[-1] if groups else None
+        if g is not None and (len(g) + 1) * lengths[i] <= (1 + waste) * (total + lengths[i]) + 64 * (len(g) + 1):
+            g.append(i)
+            total += lengths[i]
+        else:
+            groups.append([i])
+            total = lengths[i]
+    return groups
+
+
 class SpecEngine:
     def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048):
         """target: TargetModel; runner: a draft runner (None -> only rule `ar`)."""
@@ -261,6 +277,14 @@ class SpecEngine:
         return events
 
     def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
+        """Prefill new rows in groups of similar prompt length, so one long prompt does not pad
+        every other new row to its length."""
+        events: list[StepEvent] = []
+        for group in length_groups([len(s.prompt) for s in seqs]):
+            events += self._prefill_group([seqs[i] for i in group])
+        return events
+
+    def _prefill_group(self, seqs: list[_Seq]) -> list[StepEvent]:
         n, dev = len(seqs), self.device
         lens = torch.tensor([len(s.prompt) for s in seqs], device=dev)
         t = int(lens.max())

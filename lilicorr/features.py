@@ -4,7 +4,8 @@ training run and epoch skips the target forward (on CPU it dominates a training 
 
 Layout of a feature directory (appears atomically):
     meta.json                 target fingerprint, capture layer ids, dtype, number of sequences
-    shard-00000.safetensors   captured_<i> [T_i, n, H] and last_hidden_<i> [T_i, H] for i in the shard
+    shard-00000.safetensors   captured_<i> [T_i, n, H], last_hidden_<i> [T_i, H] and target_lse_<i> [T_i]
+                              (logsumexp of the target's logits, float32) for i in the shard
 """
 from __future__ import annotations
 
@@ -20,32 +21,84 @@ from lilicorr.checkpoint import atomic_dir, target_fingerprint
 SHARD = 64
 
 
-def build_feature_store(target, sequences, capture: list[int], out_dir, batch_size: int = 4,
-                        dtype: torch.dtype = torch.bfloat16, progress=None) -> Path:
-    """Run the target teacher-forced over `sequences` (list of training.Sequence) and store features."""
-    def fill(tmp: Path):
+def _fill_shards(target, sequences, capture, tmp: Path, shard_ids, batch_size: int, dtype, done) -> None:
+    """Write shard-<k>.safetensors for every k in shard_ids; done(n) after each batch of n sequences."""
+    for k in shard_ids:
         shard: dict[str, torch.Tensor] = {}
-        for lo in range(0, len(sequences), batch_size):
-            chunk = sequences[lo:lo + batch_size]
+        end = min((k + 1) * SHARD, len(sequences))
+        for lo in range(k * SHARD, end, batch_size):
+            chunk = sequences[lo:min(lo + batch_size, end)]
             t = max(len(s.ids) for s in chunk)
-            ids = torch.zeros(len(chunk), t, dtype=torch.long)
+            ids = torch.zeros(len(chunk), t, dtype=torch.long)                # [n, T] right-padded
             for i, s in enumerate(chunk):
                 ids[i, : len(s.ids)] = torch.tensor(s.ids)
             with torch.no_grad():
                 out = target(ids, torch.arange(t).expand(len(chunk), t), capture=capture, logits=False)
             for i, s in enumerate(chunk):
-                j = lo + i
-                shard[f"captured_{j}"] = out.captured[i, : len(s.ids)].to(dtype).contiguous()
-                shard[f"last_hidden_{j}"] = out.last_hidden[i, : len(s.ids)].to(dtype).contiguous()
-                if (j + 1) % SHARD == 0 or j + 1 == len(sequences):
-                    save_file(shard, str(tmp / f"shard-{j // SHARD:05d}.safetensors"))
-                    shard = {}
-            if progress is not None:
-                progress(len(chunk))
+                last = out.last_hidden[i, : len(s.ids)].to(dtype).contiguous()   # [T_i, H]
+                shard[f"captured_{lo + i}"] = out.captured[i, : len(s.ids)].to(dtype).contiguous()
+                shard[f"last_hidden_{lo + i}"] = last
+                with torch.no_grad():   # log-normaliser of the target's logits (from the stored states)
+                    lse = torch.logsumexp(target.lm_head(last.to(target.lm_head.weight.dtype)).float(), -1)
+                shard[f"target_lse_{lo + i}"] = lse.contiguous()                  # [T_i] float32
+            done(len(chunk))
+        save_file(shard, str(tmp / f"shard-{k:05d}.safetensors"))
+
+
+def _worker(counter, *args) -> None:
+    def done(n):
+        with counter.get_lock():
+            counter.value += n
+    _fill_shards(*args, done=done)
+
+
+def build_feature_store(target, sequences, capture: list[int], out_dir, batch_size: int = 4,
+                        dtype: torch.dtype = torch.bfloat16, progress=None, workers: int = 1) -> Path:
+    """Run the target teacher-forced over `sequences` (list of training.Sequence) and store features.
+    ``workers`` > 1 forks that many processes (one per core, each on its own shards)."""
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    shard_ids = list(range((len(sequences) + SHARD - 1) // SHARD))
+    done = progress if progress is not None else (lambda n: None)
+
+    def fill(tmp: Path):
+        if workers == 1:
+            _fill_shards(target, sequences, capture, tmp, shard_ids, batch_size, dtype, done)
+        else:
+            _fill_in_processes(tmp)
         meta = {"target": target_fingerprint(target.config), "capture": list(capture),
                 "num_sequences": len(sequences), "lengths": [len(s.ids) for s in sequences],
-                "dtype": str(dtype).removeprefix("torch.")}
+                "dtype": str(dtype).removeprefix("torch."), "target_lse": True}
         (tmp / "meta.json").write_text(json.dumps(meta))
+
+    def _fill_in_processes(tmp: Path):
+        import multiprocessing as mp
+        import time
+
+        ctx = mp.get_context("fork")            # children share the loaded target copy-on-write
+        counter = ctx.Value("l", 0)
+        procs = [ctx.Process(target=_worker, args=(counter, target, sequences, capture, tmp,
+                                                   shard_ids[w::workers], batch_size, dtype), daemon=True)
+                 for w in range(workers)]
+        for p in procs:
+            p.start()
+        seen = 0
+        try:
+            while any(p.is_alive() for p in procs):
+                time.sleep(0.5)
+                now = counter.value
+                done(now - seen)
+                seen = now
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                p.join()
+        done(counter.value - seen)
+        bad = [p.exitcode for p in procs if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"feature worker(s) failed with exit code(s) {bad}")
+
     return atomic_dir(Path(out_dir), fill)
 
 
@@ -65,6 +118,7 @@ class FeatureStore:
                              f"the drafter needs {list(capture)}")
         if meta["lengths"] != [len(s.ids) for s in sequences]:
             raise ValueError(f"feature store {self.path} does not match the training data (lengths differ)")
+        self.has_lse = bool(meta.get("target_lse"))    # stores from before it was kept lack it
         self._handles: dict[int, object] = {}
 
     def _shard(self, j: int):
@@ -73,17 +127,20 @@ class FeatureStore:
             self._handles[k] = safe_open(str(self.path / f"shard-{k:05d}.safetensors"), framework="pt")
         return self._handles[k]
 
-    def batch(self, indices: list[int], pad_to: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> captured [N, T, n, H] and last_hidden [N, T, H] (float32, zero right padding)."""
-        caps, lasts = [], []
-        for j in indices:
+    def batch(self, indices: list[int], pad_to: int) -> tuple[torch.Tensor, ...]:
+        """-> captured [N, T, n, H], last_hidden [N, T, H] and, when stored, target_lse [N, T]
+        (float32, zero right padding)."""
+        n = len(indices)
+        captured = last = lse = None
+        for i, j in enumerate(indices):
             f = self._shard(j)
-            caps.append(f.get_tensor(f"captured_{j}").float())
-            lasts.append(f.get_tensor(f"last_hidden_{j}").float())
-        n, (_, nl, h) = len(indices), caps[0].shape
-        captured = torch.zeros(n, pad_to, nl, h)
-        last = torch.zeros(n, pad_to, h)
-        for i, (c, l) in enumerate(zip(caps, lasts)):
-            captured[i, : len(c)] = c
-            last[i, : len(l)] = l
-        return captured, last
+            c, l = f.get_tensor(f"captured_{j}"), f.get_tensor(f"last_hidden_{j}")
+            if captured is None:
+                captured = torch.zeros(n, pad_to, *c.shape[1:])
+                last = torch.zeros(n, pad_to, l.shape[-1])
+                lse = torch.zeros(n, pad_to) if self.has_lse else None
+            captured[i, : len(c)] = c.float()
+            last[i, : len(l)] = l.float()
+            if lse is not None:
+                lse[i, : len(l)] = f.get_tensor(f"target_lse_{j}")
+        return (captured, last) if lse is None else (captured, last, lse)

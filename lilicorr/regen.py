@@ -163,13 +163,14 @@ def regenerate(target_dir: str | os.PathLike | None, out: str | os.PathLike, *,
                prompts_name: str | None = None,
                device: str = "cpu", dtype=None, max_seq_len: int = 2048,
                engine=None, tokenizer=None, progress: bool = True, allow_mismatch: bool = False,
-               max_prompts_this_run: int | None = None) -> dict:
+               max_prompts_this_run: int | None = None, shard: tuple[int, int] | None = None) -> dict:
     """Generate the assistant turn of each training prompt into ``out`` (resumable JSONL).
 
     ``prompts`` defaults to ``iter_training_prompts(num_prompts, seed, mix)``. ``engine`` /
     ``tokenizer`` may be passed in (tests); otherwise ``SpecEngine.from_paths(target_dir, ...)``
     and ``Tokenizer.from_dir(target_dir)`` are built. ``max_prompts_this_run`` stops after that
-    many new lines (for tests of resume). Returns counts:
+    many new lines (for tests of resume). ``shard=(i, n)`` keeps the i-th of n contiguous blocks of
+    the prompt list, so n processes (one per core, each its own ``out``) split one list. Returns counts:
     ``{"total", "already_done", "written", "skipped_too_long", "new_tokens", "seconds"}``.
     """
     if max_new_tokens < 1:
@@ -181,6 +182,11 @@ def regenerate(target_dir: str | os.PathLike | None, out: str | os.PathLike, *,
         from .data.prompt_sources import iter_training_prompts
         prompts = iter_training_prompts(num_prompts, seed=seed, mix=mix)
     prompts = list(prompts)
+    if shard is not None:
+        i, n = shard
+        if not 0 <= i < n:
+            raise ValueError(f"shard {i}/{n}: need 0 <= i < n")
+        prompts = prompts[i * len(prompts) // n: (i + 1) * len(prompts) // n]
     ids = [p["id"] for p in prompts]
     if len(set(ids)) != len(ids):
         raise ValueError("prompt ids are not unique")
@@ -189,6 +195,8 @@ def regenerate(target_dir: str | os.PathLike | None, out: str | os.PathLike, *,
     meta = {"target": str(Path(target_dir).resolve()) if target_dir is not None else None,
             "max_new_tokens": max_new_tokens, "seed": seed, "mix": mix,
             "prompts": prompts_name, "rule": "ar"}
+    if shard is not None:
+        meta["shard"] = f"{shard[0]}/{shard[1]}"
     _check_meta(out, meta, allow_mismatch, bool(done))
     todo = deque(p for p in prompts if p["id"] not in done)
     stats = {"total": len(prompts), "already_done": len(prompts) - len(todo), "written": 0,

@@ -7,6 +7,7 @@ attention mask (SpecForge style), and every loss term is computed on the same pa
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,27 +27,29 @@ class Sequence:
     loss_mask: list[int]    # 1 on completion tokens
 
 
-def load_sequences(path, seq_len: int) -> list[Sequence]:
-    """Read the regenerated JSONL (`prompt_ids`, `completion_ids`), truncated to seq_len."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training data {path} does not exist (make it with train/regen.py)")
+def load_sequences(paths, seq_len: int) -> list[Sequence]:
+    """Read regenerated JSONL (`prompt_ids`, `completion_ids`), truncated to seq_len. `paths` is one
+    file or a list of files (e.g. one per regen shard), concatenated in order."""
+    paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
     out = []
-    with path.open() as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                p, c = list(rec["prompt_ids"]), list(rec["completion_ids"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{lineno}: not a regenerated record ({e})") from e
-            ids = (p + c)[:seq_len]
-            mask = ([0] * len(p) + [1] * len(c))[:seq_len]
-            if sum(mask) >= 2:
-                out.append(Sequence(ids, mask))
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"training data {path} does not exist (make it with train/regen.py)")
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    p, c = list(rec["prompt_ids"]), list(rec["completion_ids"])
+                except (json.JSONDecodeError, KeyError, TypeError) as e:
+                    raise ValueError(f"{path}:{lineno}: not a regenerated record ({e})") from e
+                ids = (p + c)[:seq_len]
+                mask = ([0] * len(p) + [1] * len(c))[:seq_len]
+                if sum(mask) >= 2:
+                    out.append(Sequence(ids, mask))
     if not out:
-        raise ValueError(f"{path} holds no sequence with at least 2 completion tokens")
+        raise ValueError(f"{', '.join(map(str, paths))} hold no sequence with at least 2 completion tokens")
     return out
 
 
@@ -92,11 +95,13 @@ class StepOutput:
 
 def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask: torch.Tensor,
                      anchors: torch.Tensor, valid: torch.Tensor,
-                     features: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
+                     features: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
     """ids/loss_mask [N, T], anchors/valid [N, A] -> loss terms and metric sums.
 
-    features: precomputed (captured [N, T, n, H], last_hidden [N, T, H]) from a FeatureStore;
-    None runs the frozen target here. Inputs must be on the model's device (the trainer moves them)."""
+    features: precomputed (captured [N, T, n, H], last_hidden [N, T, H][, target_lse [N, T]]) from a
+    FeatureStore; None runs the frozen target here. With target_lse (the log-normaliser of the
+    target's logits) q_k needs K dot products instead of the full-vocabulary LM head. Inputs must be
+    on the model's device (the trainer moves them)."""
     cfg = model.cfg
     dev = ids.device
     b, s, k = cfg.drafter.block_size, cfg.drafter.block_size - 1, cfg.head.top_k
@@ -107,7 +112,8 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
         with torch.no_grad():
             tout = target(ids, positions, capture=cfg.drafter.target_layer_ids, logits=False)
         features = (tout.captured, tout.last_hidden)
-    captured, last_hidden = features                                     # [N, T, n, H], [N, T, H]
+    captured, last_hidden = features[:2]                                 # [N, T, n, H], [N, T, H]
+    target_lse = features[2] if len(features) > 2 else None              # [N, T] or None
 
     drafter = model.drafter
     ctx_kv = drafter.context_kv(drafter.project_context(captured), positions)
@@ -149,8 +155,14 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, cfg.head.sigma)
         z = teacher_forced_scores(anchor_scores, pair_scores, gt_index)           # [M, S, K]
         with torch.no_grad():                                            # q_k of Eq. 4: target logits
-            tgt_logits = target.lm_head(last_hidden[rows[:, None], label_pos - 1]).float()  # [M, S, V]
-            cand_logq = torch.gather(torch.log_softmax(tgt_logits, -1), -1, cand_ids)     # [M, S, K]
+            h_tgt = last_hidden[rows[:, None], label_pos - 1]                # [M, S, H]
+            if target_lse is None:
+                tgt_logits = target.lm_head(h_tgt).float()                   # [M, S, V]
+                cand_logq = torch.gather(torch.log_softmax(tgt_logits, -1), -1, cand_ids)  # [M, S, K]
+            else:                                                        # log q_k = w_k . h - logsumexp
+                w = target.lm_head.weight[cand_ids].float()                  # [M, S, K, H]
+                cand_logq = (torch.einsum("mskh,msh->msk", w, h_tgt.float())
+                             - target_lse[rows[:, None], label_pos - 1][..., None])        # [M, S, K]
         ce_sum, dist_sum, margin_sum, _ = reranker_terms(z, gt_index, prefix, cand_logq, cfg.loss.rho)
         with torch.no_grad():
             walk = lattice.greedy_walk(anchor_scores, pair_scores)

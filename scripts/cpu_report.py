@@ -51,8 +51,32 @@ def plot_curves(logs: dict[str, list[dict]], out: Path) -> None:
     plt.close(fig)
 
 
+def plot_relative(rows: dict[str, dict[str, float | None]], out: Path) -> None:
+    """Grouped bars: tau relative to vanilla DFlash (%) per suite and system."""
+    systems = [("argmax", "joint, argmax"), ("lilicorr", "LiLiCorr walk"), ("viterbi", "Viterbi"),
+               ("margin", "+ margin, walk")]
+    systems = [(k, n) for k, n in systems if any(r.get(k) is not None for r in rows.values())]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / max(len(systems), 1)
+    for j, (key, name) in enumerate(systems):
+        xs = [i + j * width for i in range(len(rows))]
+        ax.bar(xs, [r.get(key) or 0.0 for r in rows.values()], width, label=name)
+    ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(rows))], list(rows))
+    ax.axhline(0, color="k", lw=0.8)
+    ax.set_ylabel("tau vs vanilla DFlash (%)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def fmt(x, spec=".3f"):
     return "–" if x is None else format(x, spec)
+
+
+def pct(x):
+    return "–" if x is None else f"{x:+.1f}%"
 
 
 def main() -> int:
@@ -71,29 +95,35 @@ def main() -> int:
         src = work / f"eval-{m}.json"
         if src.exists():
             shutil.copy(src, out / src.name)
-            for png in work.glob(f"eval-{m}*.png"):
+            for png in work.glob(f"eval-{m}_*.png"):
                 shutil.copy(png, out / png.name)
             evals[m] = json.loads(src.read_text())
 
     lines = ["# LiLiCorr vs vanilla DFlash at CPU scale (SmolLM2-135M-Instruct target)", ""]
     lines += ["Produced by `bash scripts/cpu_experiment.sh` then `python scripts/cpu_report.py`.", ""]
-    regen = work / "regen.jsonl"
-    if regen.exists():
-        recs = [json.loads(x) for x in regen.read_text().splitlines() if x.strip()]
+    files = sorted(work.glob("regen-*.jsonl")) or sorted(work.glob("regen.jsonl"))
+    if files:
+        recs = [json.loads(x) for f in files for x in f.read_text().splitlines() if x.strip()]
         kinds: dict[str, int] = {}
         for r in recs:
             kinds[r.get("kind", "?")] = kinds.get(r.get("kind", "?"), 0) + 1
         ntok = sum(len(r["completion_ids"]) for r in recs)
+        first = next(iter(logs.values()), [{}])[-1] if logs else {}
+        ev = next(iter(evals.values()))["meta"] if evals else {}
         lines += ["## Setup", "",
                   f"- Data: {len(recs)} conversations regenerated greedily by the target "
-                  f"({ntok} completion tokens; " + ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) +
+                  f"({ntok} completion tokens, at most 160 per turn; " +
+                  ", ".join(f"{k} {v}" for k, v in sorted(kinds.items())) +
                   "), prompts from `lilicorr.data.prompt_sources` (no overlap with the eval suites).",
-                  "- Models: `cpu` preset (2-layer drafter at the target's width, B=8, K=8, head width 256, "
-                  "d_e=128, sigma=8), equal data, steps, batch and anchors for every arm; target features "
-                  "precomputed once (`--features`).",
-                  "- Machine: 2 shared CPU cores, one torch thread per process. tokens/s and speedup are "
-                  "measured side by side within each eval run, but runs overlapped with other jobs: treat "
-                  "them as noisy; tau and oracle tau are exact counts.", ""]
+                  f"- Models: `cpu` preset (2-layer drafter at the target's width, B=8, K=8, head width 256, "
+                  f"d_e=128, sigma=8). Every arm: the same data, {first.get('step', '?')} steps, global batch 8, "
+                  "24 anchors per sequence, target features precomputed once (`--features`).",
+                  f"- Eval: the first {ev.get('limit', '?')} prompts of each suite, at most "
+                  f"{ev.get('max_tokens', '?')} new tokens, {ev.get('batch_size', '?')} concurrent sequences "
+                  "(continuous batching), chat template, greedy verification unless stated.",
+                  "- Machine: 2 shared CPU cores, one torch thread per process, two processes at a time. "
+                  "tokens/s and speedup are measured side by side within each eval run, but runs overlapped "
+                  "with each other: treat them as noisy; tau and oracle tau are exact counts.", ""]
     if logs:
         lines += ["## Training", "", "| model | steps | final DFlash CE | oracle prefix | teacher-forced tau |",
                   "|---|---:|---:|---:|---:|"]
@@ -118,44 +148,60 @@ def main() -> int:
                          f"{fmt(ratio)} | {fmt(r.get('tokens_per_s'), '.1f')} | {fmt(r.get('speedup_vs_ar'), '.2f')} |")
         lines.append("")
         base = {s: pr["argmax"] for s, pr in evals.get("vanilla", {}).get("results", {}).items() if "argmax" in pr}
+        rel_rows: dict[str, dict[str, float | None]] = {}
         if base and "lilicorr" in evals:
             lines += ["## tau relative to vanilla DFlash (argmax on the vanilla drafter)", "",
-                      "| suite | jointly trained, argmax | LiLiCorr (greedy walk) | Viterbi | Viterbi vs greedy |",
-                      "|---|---:|---:|---:|---:|"]
+                      "| suite | vanilla tau | jointly trained, argmax | LiLiCorr (greedy walk) | Viterbi | "
+                      "Viterbi vs greedy | + margin, walk |", "|---|---:|---:|---:|---:|---:|---:|"]
             for suite, pr in evals["lilicorr"]["results"].items():
                 b = base.get(suite, {}).get("tau")
                 rel = {k: (pr[k]["tau"] / b - 1) * 100 if b and k in pr else None for k in ("argmax", "lilicorr", "viterbi")}
+                mg = evals.get("margin", {}).get("results", {}).get(suite, {}).get("lilicorr", {}).get("tau")
+                rel["margin"] = (mg / b - 1) * 100 if b and mg else None
+                rel_rows[suite] = rel
                 dv = ((pr["viterbi"]["tau"] / pr["lilicorr"]["tau"] - 1) * 100
                       if "viterbi" in pr and "lilicorr" in pr else None)
-                lines.append(f"| {suite} | {fmt(rel['argmax'], '+.1f')}% | {fmt(rel['lilicorr'], '+.1f')}% | "
-                             f"{fmt(rel['viterbi'], '+.1f')}% | {fmt(dv, '+.1f')}% |")
-            lines.append("")
-        if "nodist" in evals and "lilicorr" in evals:
-            lines += ["## Loss ablation (Appendix C): tau of the lilicorr rule", "", "| suite | full | without L_dist |",
-                      "|---|---:|---:|"]
-            for suite, pr in evals["lilicorr"]["results"].items():
-                nd = evals["nodist"]["results"].get(suite, {}).get("lilicorr", {}).get("tau")
-                lines.append(f"| {suite} | {fmt(pr.get('lilicorr', {}).get('tau'))} | {fmt(nd)} |")
+                lines.append(f"| {suite} | {fmt(b)} | {pct(rel['argmax'])} | {pct(rel['lilicorr'])} | "
+                             f"{pct(rel['viterbi'])} | {pct(dv)} | {pct(rel['margin'])} |")
+            lines += ["", "![tau relative to vanilla](tau_vs_vanilla.png)", ""]
+            plot_relative(rel_rows, out / "tau_vs_vanilla.png")
+        arms = [m for m in ("lilicorr", "nodist", "margin") if m in evals]
+        if len(arms) > 1:
+            lines += ["## Loss ablation (Appendices C and G): tau of the lilicorr rule", "",
+                      "| suite | " + " | ".join(MODELS[m] for m in arms) + " |",
+                      "|---|" + "---:|" * len(arms)]
+            for suite in evals["lilicorr"]["results"]:
+                taus = [evals[m]["results"].get(suite, {}).get("lilicorr", {}).get("tau") for m in arms]
+                lines.append(f"| {suite} | " + " | ".join(fmt(t) for t in taus) + " |")
             lines.append("")
         t1 = {}
         for m in ("vanilla", "lilicorr"):
             src = work / f"eval-{m}-t1.json"
             if src.exists():
                 shutil.copy(src, out / src.name)
+                for png in work.glob(f"eval-{m}-t1_*.png"):
+                    shutil.copy(png, out / png.name)
                 t1[m] = json.loads(src.read_text())
         if len(t1) == 2:
             lines += ["## Temperature 1 (exact rejection sampling, mean ± std over seeds)", "",
-                      "| suite | vanilla, argmax | LiLiCorr joint, lilicorr | relative |", "|---|---:|---:|---:|"]
+                      "| suite | vanilla, argmax | LiLiCorr joint, lilicorr | relative | tokens/s vanilla | "
+                      "tokens/s LiLiCorr |", "|---|---:|---:|---:|---:|---:|"]
             for suite, pr in t1["lilicorr"]["results"].items():
                 a = t1["vanilla"]["results"].get(suite, {}).get("argmax")
                 b = pr.get("lilicorr")
                 if a and b:
                     lines.append(f"| {suite} | {a['tau']:.3f} ± {a.get('std', {}).get('tau') or 0:.3f} | "
                                  f"{b['tau']:.3f} ± {b.get('std', {}).get('tau') or 0:.3f} | "
-                                 f"{(b['tau'] / a['tau'] - 1) * 100:+.1f}% |")
+                                 f"{(b['tau'] / a['tau'] - 1) * 100:+.1f}% | {fmt(a.get('tokens_per_s'), '.1f')} | "
+                                 f"{fmt(b.get('tokens_per_s'), '.1f')} |")
             lines.append("")
             evals.update({f"{m}-t1": d for m, d in t1.items()})
-        lines += ["## Commands", ""] + [f"    {doc['meta']['command']}" for doc in evals.values()] + [""]
+        lines += ["## Commands", "", "The whole experiment (each phase resumable; sizes as above):", "",
+                  "    REGEN_MINUTES=30 bash scripts/cpu_experiment.sh regen",
+                  "    bash scripts/cpu_experiment.sh features && bash scripts/cpu_experiment.sh train",
+                  "    bash scripts/cpu_experiment.sh eval && bash scripts/cpu_experiment.sh eval-t1",
+                  "    python scripts/cpu_report.py", "", "The eval runs it made:", ""]
+        lines += [f"    {doc['meta']['command']}" for doc in evals.values()] + [""]
     (out / "README.md").write_text("\n".join(lines))
     print(out / "README.md")
     return 0

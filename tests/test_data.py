@@ -240,6 +240,16 @@ def test_regen_resume_and_early_stop(tiny_target_dir, tmp_path):
     assert regenerate(target, out2, **kw)["written"] == 6
     assert {r["id"]: r for r in _lines(out2)} == full
 
+    # shards: contiguous blocks in separate files, together the whole list
+    parts = [tmp_path / f"shard-{i}.jsonl" for i in range(3)]
+    for i, part in enumerate(parts):
+        regenerate(target, part, shard=(i, 3), **kw)
+    ids = [[r["id"] for r in _lines(part)] for part in parts]
+    assert sorted(sum(ids, [])) == sorted(full) and all(ids)
+    assert {r["id"]: r for part in parts for r in _lines(part)} == full
+    with pytest.raises(ValueError, match="shard 3/3"):
+        regenerate(target, tmp_path / "bad.jsonl", shard=(3, 3), **kw)
+
 
 def test_regen_guards(tiny_target_dir, tmp_path):
     from lilicorr.regen import regenerate, repair_and_read

@@ -16,7 +16,7 @@ import torch
 
 from lilicorr import profiling
 from lilicorr.draft_runner import TorchDraftRunner
-from lilicorr.engine import SpecEngine
+from lilicorr.engine import SpecEngine, length_groups
 from lilicorr.model import untrained_model
 from lilicorr.profiling import BLOCK, STAGES, StageTimer, current_timer
 from lilicorr.tokenizer import Tokenizer
@@ -64,6 +64,19 @@ def _check_stats(r, evs, block_size, spec: bool):
     assert r.accept_hist == [0] + [acc.count(k - 1) for k in range(1, block_size + 1)]
     # the proposal always comes from the pool, so the oracle prefix covers the accepted drafts
     assert r.oracle_accepted >= r.accepted_tokens
+
+
+def test_prefill_length_groups():
+    """New rows are prefilled in groups of similar length: one long prompt does not pad the rest."""
+    lengths = [5, 500, 6, 7, 480, 300, 9]
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert [1, 4] in [sorted(g) for g in groups] or any(1 in g and 4 in g for g in groups)
+    for g in groups:
+        longest, real = max(lengths[i] for i in g), sum(lengths[i] for i in g)
+        assert len(g) * longest <= 1.25 * real + 64 * len(g)
+    assert all(len(g) == 1 for g in length_groups([10, 1000, 100000]))
+    assert length_groups([]) == [] and length_groups([7] * 5) == [[0, 1, 2, 3, 4]]
 
 
 # ---------------------------------------------------------------------------------- lossless
@@ -172,6 +185,19 @@ def test_generate_matches_uncached_target_and_per_rule_batches(tiny_target_dir):
         res = engine.generate(prompts, max_tokens, rule=rule, progress=seen.append)
         assert [r.tokens for r in res] == ref, rule
     assert sum(seen) == len(RULES) * sum(max_tokens)
+
+
+def test_prefill_in_length_groups_is_lossless(tiny_target_dir):
+    """Prompts of very different lengths arrive together (several prefill groups in one step)."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 4), max_batch=4)
+    lens = (1, 110, 2, 3)
+    assert len(length_groups(list(lens))) == 2
+    prompts = random_prompts(lens, target.config.vocab_size, seed=5)
+    ref = [target_greedy(target, p, 6) for p in prompts]
+    for rule in ("ar", "lilicorr"):
+        assert [r.tokens for r in engine.generate(prompts, [6] * 4, rule=rule)] == ref, rule
 
 
 # ---------------------------------------------------------------------------------- rollback

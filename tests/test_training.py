@@ -117,6 +117,12 @@ def test_load_sequences_reads_regen_jsonl(tmp_path):
     ids, mask, lengths = collate(seqs, pad_id=0)
     assert ids.shape == (2, 8) and lengths.tolist() == [7, 8] and ids[0, 7] == 0 and not mask[0, 7]
 
+    second = tmp_path / "e.jsonl"                          # several files (regen shards): concatenated in order
+    second.write_text(json.dumps({"id": "d", "prompt_ids": [5], "completion_ids": [6, 7]}) + "\n")
+    assert [s.ids for s in load_sequences([second, path], 8)] == [[5, 6, 7]] + [s.ids for s in seqs]
+    with pytest.raises(FileNotFoundError, match="missing"):
+        load_sequences([path, tmp_path / "missing.jsonl"], 8)
+
     path.write_text(json.dumps(recs[0]) + "\n" + json.dumps({"id": "x", "prompt": "text"}) + "\n")
     with pytest.raises(ValueError, match=r"d\.jsonl:2"):
         load_sequences(path, 8)
@@ -378,6 +384,57 @@ def test_cli_with_offline_feature_store(target_dir, data_file, tmp_path, capsys)
     capsys.readouterr()
     rc = cli.main([*base[:2], "--data", str(other), *base[4:], "--out", str(tmp_path / "c")])
     assert rc == 2 and "does not match the training data" in capsys.readouterr().err
+
+
+def test_feature_store_parallel_build_equals_serial(target_dir, data_file, tmp_path, monkeypatch):
+    from lilicorr import features
+
+    monkeypatch.setattr(features, "SHARD", 3)              # several shards from a few sequences
+    target = load_target(target_dir)
+    seqs = load_sequences(data_file, 64)
+    assert len(seqs) > 2 * features.SHARD
+    capture = [0, 1]
+    seen = []
+    one = features.build_feature_store(target, seqs, capture, tmp_path / "one")
+    two = features.build_feature_store(target, seqs, capture, tmp_path / "two", workers=2, progress=seen.append)
+    assert sum(seen) == len(seqs)
+    assert sorted(p.name for p in one.iterdir()) == sorted(p.name for p in two.iterdir())
+    a = features.FeatureStore(one, target.config, capture, seqs)
+    b = features.FeatureStore(two, target.config, capture, seqs)
+    idx = list(range(len(seqs)))
+    for x, y in zip(a.batch(idx, 64), b.batch(idx, 64)):
+        assert torch.equal(x, y)
+    with pytest.raises(ValueError, match="workers"):
+        features.build_feature_store(target, seqs, capture, tmp_path / "bad", workers=0)
+
+
+def test_stored_target_lse_gives_the_full_vocabulary_q(target_dir, data_file, tmp_path):
+    """q_k from the stored log-normaliser (K dot products) equals log_softmax over the full vocabulary."""
+    from lilicorr.features import FeatureStore, build_feature_store
+    from lilicorr.model import LiLiCorrModel
+    from lilicorr.training import training_forward
+
+    target = load_target(target_dir)
+    cfg = LiLiCorrConfig(drafter=DrafterConfig(num_layers=1, block_size=5, target_layer_ids=[0, 1]),
+                         head=HeadConfig(top_k=8, width=32, num_layers=1, num_heads=2, ffn_width=64, embed_dim=16),
+                         loss=LossConfig(mu=0.5), train=TrainConfig(num_anchors=6))
+    cfg.drafter = cfg.drafter.for_target(target.config)
+    torch.manual_seed(0)
+    model = LiLiCorrModel(cfg, target)
+    seqs = load_sequences(data_file, 64)[:4]
+    store = FeatureStore(build_feature_store(target, seqs, [0, 1], tmp_path / "f"), target.config, [0, 1], seqs)
+    assert store.has_lse
+    ids, mask, _ = collate(seqs, pad_id=0)
+    feats = store.batch(list(range(len(seqs))), ids.shape[1])
+    assert len(feats) == 3 and feats[2].shape == ids.shape
+    anchors, valid = sample_anchors(mask, 6, [torch.Generator().manual_seed(i) for i in range(len(seqs))])
+    with_lse = training_forward(model, target, ids, mask, anchors, valid, feats).terms
+    full_vocab = training_forward(model, target, ids, mask, anchors, valid, feats[:2]).terms
+    assert with_lse.num_supervised.item() > 0
+    for name in ("ce_sum", "dist_sum", "margin_sum", "dflash_sum"):
+        a, b = getattr(with_lse, name), getattr(full_vocab, name)
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (name, a, b)
+    assert with_lse.dist_sum.item() != 0.0
 
 
 def test_cli_bad_data_path_gives_clear_error(target_dir, tmp_path, capsys):

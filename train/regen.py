@@ -3,16 +3,17 @@
 
     python train/regen.py --target DIR --out FILE.jsonl [--num-prompts N] [--max-new-tokens 256]
                           [--batch-size 8] [--seed 0] [--mix code=0.4,math=0.4,chat=0.2]
-                          [--prompts FILE.jsonl] [--device cpu] [--dtype float32]
+                          [--prompts FILE.jsonl] [--device cpu] [--dtype float32] [--shard I/N]
 
 Generation goes through ``lilicorr.engine.SpecEngine`` with rule "ar". Resumable: rerun the same
-command after an interruption; ids already in FILE are skipped and a trailing partial line is
-dropped. See ``lilicorr/regen.py`` for the output format.
+command after an interruption (Ctrl-C or SIGTERM, e.g. from ``timeout``; exit status 130); ids
+already in FILE are skipped and a trailing partial line is dropped. See ``lilicorr/regen.py`` for the output format.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -29,6 +30,17 @@ def _mix(s: str) -> dict:
             raise argparse.ArgumentTypeError(f"bad mix entry {part!r}; use code=0.4,math=0.4,chat=0.2")
         out[k.strip()] = float(v)
     return out
+
+
+def _shard(s: str) -> tuple[int, int]:
+    i, _, n = s.partition("/")
+    try:
+        i, n = int(i), int(n)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad shard {s!r}; use I/N, e.g. 0/2") from None
+    if not 0 <= i < n:
+        raise argparse.ArgumentTypeError(f"bad shard {s!r}: need 0 <= I < N")
+    return i, n
 
 
 def main(argv=None) -> int:
@@ -48,8 +60,15 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--allow-mismatch", action="store_true",
                     help="resume even if FILE.meta.json records other settings")
+    ap.add_argument("--shard", type=_shard, default=None,
+                    help="I/N: only the I-th of N contiguous blocks of the prompt list (run N processes, "
+                         "each with its own --out, to use N cores)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+
+    def stop(signum, frame):              # `timeout` / kill: stop like Ctrl-C, whole lines only
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
 
     import torch
     prompts = None
@@ -70,7 +89,7 @@ def main(argv=None) -> int:
                            prompts_name=str(Path(args.prompts).resolve()) if args.prompts else None,
                            device=args.device, dtype=getattr(torch, args.dtype),
                            max_seq_len=args.max_seq_len, progress=not args.no_progress,
-                           allow_mismatch=args.allow_mismatch)
+                           allow_mismatch=args.allow_mismatch, shard=args.shard)
     except KeyboardInterrupt:
         return 130
     except (ValueError, RuntimeError, FileNotFoundError) as e:

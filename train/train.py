@@ -25,7 +25,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="cpu", choices=["cpu", "paper"])
     p.add_argument("--target", required=True, help="HF folder of the frozen target")
-    p.add_argument("--data", required=True, help="JSONL from train/regen.py")
+    p.add_argument("--data", required=True, nargs="+",
+                   help="JSONL file(s) from train/regen.py (several: e.g. one per regen shard, in order)")
     p.add_argument("--out", required=True, help="checkpoint directory (resumed if present)")
     p.add_argument("--vanilla", action="store_true", help="DFlash loss only, no LiLiCorr head")
     p.add_argument("--margin", action="store_true", help="LiLiCorr + margin (Appendix G: mu=0.5, rho=2)")
@@ -83,8 +84,9 @@ def _fail(message: str) -> int:
 def main(argv=None) -> int:
     args = parse_args(argv)
     # cheap input checks first, before the target is loaded or a process group is formed
-    if not Path(args.data).is_file():
-        return _fail(f"--data {args.data}: no such file (make it with train/regen.py)")
+    for path in args.data:
+        if not Path(path).is_file():
+            return _fail(f"--data {path}: no such file (make it with train/regen.py)")
     if not Path(args.target).is_dir():
         return _fail(f"--target {args.target}: no such directory (an HF folder with config.json)")
     try:
