@@ -25,9 +25,12 @@ SEEDS=${SEEDS:-0,1,2}
 phase=${1:-all}
 mkdir -p "$W"
 want() { [[ $phase == "$1" || $phase == all ]]; }
+timed() {  # name, command...: run it and append "name<TAB>seconds<TAB>date" to phase-times.tsv
+  local t0=$SECONDS; "${@:2}"; printf '%s\t%s\t%s\n' "$1" $((SECONDS - t0)) "$(date -u +%FT%TZ)" >> "$W/phase-times.tsv"
+}
 data() { ls "$W"/regen-*.jsonl; }
 
-if want regen; then
+regen() {
   python train/prepare_target.py --out "$T"
   cap=(); [[ $REGEN_MINUTES != 0 ]] && cap=(timeout -s TERM "${REGEN_MINUTES}m")
   pids=()
@@ -40,9 +43,9 @@ if want regen; then
   for p in "${pids[@]}"; do
     wait "$p" || { rc=$?; [[ $rc == 130 || $rc == 124 ]] || exit $rc; echo "regen stopped at the time cap (resumable)"; }
   done
-fi
+}
 
-if want features || want train; then
+features() {
   python - "$T" "$W" "$SHARDS" $(data) <<'PY'
 import sys
 from pathlib import Path
@@ -64,9 +67,9 @@ except (FileNotFoundError, ValueError) as e:
         build_feature_store(t, seqs, cfg.drafter.target_layer_ids, work / "features", workers=workers,
                             progress=bar.update)
 PY
-fi
+}
 
-if want train; then
+train() {
   declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin)
   for arm in $ARMS; do
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
@@ -74,7 +77,7 @@ if want train; then
       --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} > "$W/train-$arm.log" 2>&1 &
   done
   wait
-fi
+}
 
 common=(--target "$T" --prompts humaneval,math500,gsm-symbolic --limit "$EVAL_LIMIT"
         --max-tokens "$EVAL_TOKENS" --batch-size "$EVAL_BATCH" --threads 1)
@@ -85,13 +88,19 @@ evaluate() {  # model, rules, extra flags; skipped when its JSON exists (delete 
   python -m lilicorr.eval "${common[@]}" --ckpt "$W/ckpt-$1" --rules "$2" ${3:-} --json "$out" \
     > "$W/eval-$1${4:-}.log" 2>&1
 }
-if want eval; then
+eval_greedy() {
   evaluate lilicorr ar,argmax,lilicorr,viterbi &
   { evaluate vanilla ar,argmax; evaluate nodist ar,lilicorr; evaluate margin ar,lilicorr; } &
   wait
-fi
-if want eval-t1; then
-  evaluate vanilla ar,argmax "--temperature 1 --seed $SEEDS" -t1 &
-  evaluate lilicorr ar,lilicorr "--temperature 1 --seed $SEEDS" -t1 &
+}
+eval_t1() {
+  evaluate vanilla argmax "--temperature 1 --seed $SEEDS" -t1 &       # ar's rate: the greedy runs
+  evaluate lilicorr lilicorr "--temperature 1 --seed $SEEDS" -t1 &
   wait
-fi
+}
+
+if want regen; then timed regen regen; fi
+if want features || want train; then timed features features; fi
+if want train; then timed train train; fi
+if want eval; then timed eval eval_greedy; fi
+if want eval-t1; then timed eval-t1 eval_t1; fi

@@ -3,7 +3,7 @@
     python scripts/cpu_report.py [--work work/cpu_smollm2] [--out results/cpu_smollm2]
 
 Copies the eval JSON files, plots the training curves from the checkpoints' step logs, and writes
-README.md with the tables: tau / tokens per second / speedup per suite and rule, tau relative to
+README.md (starting with OUT/notes.md, the hand-written findings, when present) with the tables: tau / tokens per second / speedup per suite and rule, tau relative to
 vanilla DFlash, tau / oracle tau, the greedy-vs-Viterbi delta and the loss ablation.
 """
 from __future__ import annotations
@@ -101,6 +101,9 @@ def main() -> int:
 
     lines = ["# LiLiCorr vs vanilla DFlash at CPU scale (SmolLM2-135M-Instruct target)", ""]
     lines += ["Produced by `bash scripts/cpu_experiment.sh` then `python scripts/cpu_report.py`.", ""]
+    notes = out / "notes.md"          # hand-written findings, kept across regenerations of this file
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
     files = sorted(work.glob("regen-*.jsonl")) or sorted(work.glob("regen.jsonl"))
     if files:
         recs = [json.loads(x) for f in files for x in f.read_text().splitlines() if x.strip()]
@@ -124,6 +127,13 @@ def main() -> int:
                   "- Machine: 2 shared CPU cores, one torch thread per process, two processes at a time. "
                   "tokens/s and speedup are measured side by side within each eval run, but runs overlapped "
                   "with each other: treat them as noisy; tau and oracle tau are exact counts.", ""]
+    times = work / "phase-times.tsv"
+    if times.exists():
+        lines += ["## Phase times (2 cores, wall clock)", "", "| phase | minutes | finished (UTC) |", "|---|---:|---|"]
+        for row in times.read_text().splitlines():
+            name, sec, when = row.split("\t")
+            lines.append(f"| {name} | {int(sec) / 60:.1f} | {when} |")
+        lines.append("")
     if logs:
         lines += ["## Training", "", "| model | steps | final DFlash CE | oracle prefix | teacher-forced tau |",
                   "|---|---:|---:|---:|---:|"]
@@ -153,10 +163,19 @@ def main() -> int:
             lines += ["## tau relative to vanilla DFlash (argmax on the vanilla drafter)", "",
                       "| suite | vanilla tau | jointly trained, argmax | LiLiCorr (greedy walk) | Viterbi | "
                       "Viterbi vs greedy | + margin, walk |", "|---|---:|---:|---:|---:|---:|---:|"]
-            for suite, pr in evals["lilicorr"]["results"].items():
+            def pooled(m):                                   # all suites pooled, like a suite
+                return evals.get(m, {}).get("overall") or {}
+            if pooled("vanilla").get("argmax"):
+                base["all suites (pooled)"] = pooled("vanilla")["argmax"]
+            suites = dict(evals["lilicorr"]["results"])
+            if pooled("lilicorr"):
+                suites["all suites (pooled)"] = pooled("lilicorr")
+            for suite, pr in suites.items():
                 b = base.get(suite, {}).get("tau")
                 rel = {k: (pr[k]["tau"] / b - 1) * 100 if b and k in pr else None for k in ("argmax", "lilicorr", "viterbi")}
-                mg = evals.get("margin", {}).get("results", {}).get(suite, {}).get("lilicorr", {}).get("tau")
+                mg_src = pooled("margin") if suite.startswith("all suites") else \
+                    evals.get("margin", {}).get("results", {}).get(suite, {})
+                mg = mg_src.get("lilicorr", {}).get("tau")
                 rel["margin"] = (mg / b - 1) * 100 if b and mg else None
                 rel_rows[suite] = rel
                 dv = ((pr["viterbi"]["tau"] / pr["lilicorr"]["tau"] - 1) * 100
