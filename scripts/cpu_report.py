@@ -51,6 +51,17 @@ def plot_curves(logs: dict[str, list[dict]], out: Path) -> None:
     plt.close(fig)
 
 
+def collect_eval(work: Path, out: Path, stem: str) -> dict | None:
+    """Copy WORK/STEM.json and its plots (STEM_*.png) into OUT; the parsed JSON, or None if absent."""
+    src = work / f"{stem}.json"
+    if not src.exists():
+        return None
+    shutil.copy(src, out / src.name)
+    for png in work.glob(f"{stem}_*.png"):
+        shutil.copy(png, out / png.name)
+    return json.loads(src.read_text())
+
+
 def plot_relative(rows: dict[str, dict[str, float | None]], out: Path) -> None:
     """Grouped bars: tau relative to vanilla DFlash (%) per suite and system."""
     systems = [("argmax", "joint, argmax"), ("lilicorr", "LiLiCorr walk"), ("viterbi", "Viterbi"),
@@ -90,14 +101,7 @@ def main() -> int:
     logs = {m: read_log(work / f"ckpt-{m}.log.jsonl") for m in MODELS if (work / f"ckpt-{m}.log.jsonl").exists()}
     if logs:
         plot_curves(logs, out / "training_curves.png")
-    evals = {}
-    for m in MODELS:
-        src = work / f"eval-{m}.json"
-        if src.exists():
-            shutil.copy(src, out / src.name)
-            for png in work.glob(f"eval-{m}_*.png"):
-                shutil.copy(png, out / png.name)
-            evals[m] = json.loads(src.read_text())
+    evals = {m: d for m in MODELS if (d := collect_eval(work, out, f"eval-{m}")) is not None}
 
     lines = ["# LiLiCorr vs vanilla DFlash at CPU scale (SmolLM2-135M-Instruct target)", ""]
     lines += ["Produced by `bash scripts/cpu_experiment.sh` then `python scripts/cpu_report.py`.", ""]
@@ -193,14 +197,7 @@ def main() -> int:
                 taus = [evals[m]["results"].get(suite, {}).get("lilicorr", {}).get("tau") for m in arms]
                 lines.append(f"| {suite} | " + " | ".join(fmt(t) for t in taus) + " |")
             lines.append("")
-        t1 = {}
-        for m in ("vanilla", "lilicorr"):
-            src = work / f"eval-{m}-t1.json"
-            if src.exists():
-                shutil.copy(src, out / src.name)
-                for png in work.glob(f"eval-{m}-t1_*.png"):
-                    shutil.copy(png, out / png.name)
-                t1[m] = json.loads(src.read_text())
+        t1 = {m: d for m in ("vanilla", "lilicorr") if (d := collect_eval(work, out, f"eval-{m}-t1")) is not None}
         if len(t1) == 2:
             lines += ["## Temperature 1 (exact rejection sampling, mean ± std over seeds)", "",
                       "| suite | vanilla, argmax | LiLiCorr joint, lilicorr | relative | tokens/s vanilla | "
@@ -216,7 +213,7 @@ def main() -> int:
             lines.append("")
             evals.update({f"{m}-t1": d for m, d in t1.items()})
         lines += ["## Commands", "", "The whole experiment (each phase resumable; sizes as above):", "",
-                  "    REGEN_MINUTES=30 bash scripts/cpu_experiment.sh regen",
+                  "    bash scripts/cpu_experiment.sh regen          # REGEN_MINUTES=N caps it; rerun to resume",
                   "    bash scripts/cpu_experiment.sh features && bash scripts/cpu_experiment.sh train",
                   "    bash scripts/cpu_experiment.sh eval && bash scripts/cpu_experiment.sh eval-t1",
                   "    python scripts/cpu_report.py", "", "The eval runs it made:", ""]
