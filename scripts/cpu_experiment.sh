@@ -29,18 +29,24 @@ timed() {  # name, command...: run it and append "name<TAB>seconds<TAB>date" to 
   local t0=$SECONDS; "${@:2}"; printf '%s\t%s\t%s\n' "$1" $((SECONDS - t0)) "$(date -u +%FT%TZ)" >> "$W/phase-times.tsv"
 }
 data() { ls "$W"/regen-*.jsonl; }
+wait_all() {  # pids: wait for every one; fail with the last failure (a bare `wait` would hide it)
+  local rc=0 p
+  for p in "$@"; do wait "$p" || rc=$?; done
+  return $rc
+}
 
 regen() {
   python train/prepare_target.py --out "$T"
-  cap=(); [[ $REGEN_MINUTES != 0 ]] && cap=(timeout -s TERM "${REGEN_MINUTES}m")
-  pids=()
+  local cap=() pids=()
+  [[ $REGEN_MINUTES != 0 ]] && cap=(timeout -s TERM "${REGEN_MINUTES}m")
   for ((i = 0; i < SHARDS; i++)); do
     "${cap[@]}" python train/regen.py --target "$T" --out "$W/regen-$i.jsonl" --num-prompts "$PROMPTS" \
       --max-new-tokens "$MAX_NEW" --batch-size 48 --seed 0 --shard "$i/$SHARDS" --allow-mismatch \
       >> "$W/regen-$i.log" 2>&1 &
     pids+=($!)
   done
-  for p in "${pids[@]}"; do
+  local p rc
+  for p in "${pids[@]}"; do     # 124/130: stopped at the time cap, resumable
     wait "$p" || { rc=$?; [[ $rc == 130 || $rc == 124 ]] || exit $rc; echo "regen stopped at the time cap (resumable)"; }
   done
 }
@@ -71,12 +77,14 @@ PY
 
 train() {
   declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin)
+  local pids=()
   for arm in $ARMS; do
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
       --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --save-every 25 \
       --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} > "$W/train-$arm.log" 2>&1 &
+    pids+=($!)
   done
-  wait
+  wait_all "${pids[@]}" || { echo "a training arm failed: see $W/train-*.log"; exit 1; }
 }
 
 common=(--target "$T" --prompts humaneval,math500,gsm-symbolic --limit "$EVAL_LIMIT"
@@ -89,14 +97,14 @@ evaluate() {  # model, rules, extra flags; skipped when its JSON exists (delete 
     > "$W/eval-$1${4:-}.log" 2>&1
 }
 eval_greedy() {
-  evaluate lilicorr ar,argmax,lilicorr,viterbi &
-  { evaluate vanilla ar,argmax; evaluate nodist ar,lilicorr; evaluate margin ar,lilicorr; } &
-  wait
+  evaluate lilicorr ar,argmax,lilicorr,viterbi & local a=$!
+  { evaluate vanilla ar,argmax && evaluate nodist ar,lilicorr && evaluate margin ar,lilicorr; } & local b=$!
+  wait_all $a $b || { echo "an eval run failed: see $W/eval-*.log"; exit 1; }
 }
 eval_t1() {
-  evaluate vanilla argmax "--temperature 1 --seed $SEEDS" -t1 &       # ar's rate: the greedy runs
-  evaluate lilicorr lilicorr "--temperature 1 --seed $SEEDS" -t1 &
-  wait
+  evaluate vanilla argmax "--temperature 1 --seed $SEEDS" -t1 & local a=$!   # ar's rate: the greedy runs
+  evaluate lilicorr lilicorr "--temperature 1 --seed $SEEDS" -t1 & local b=$!
+  wait_all $a $b || { echo "an eval run failed: see $W/eval-*-t1.log"; exit 1; }
 }
 
 if want regen; then timed regen regen; fi
