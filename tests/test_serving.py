@@ -611,7 +611,7 @@ def test_client_disconnect_frees_sequence(engine_server, good_request, model):
     (lilicorr_requests_cancelled + 1, no active request) and the server keeps serving."""
     client = client_for(engine_server)
     good_request(client)        # warm: the first requests of a fresh server are slow to stream
-    before = metrics_text(engine_server)
+    before = _idle_metrics(engine_server)   # once the warm request's completion is published
     what = dict(prompt="hello") if model == "ensemble" else dict(input_ids=[1, 9, 12])
     gs = client.stream(**what, max_tokens=LONG, decode_rule="lilicorr", ignore_eos=True)
     got = []
