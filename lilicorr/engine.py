@@ -9,6 +9,16 @@ rejected tokens roll back by length. One step for the speculative rows:
     target verify of [anchor, d_1..d_S] -> accept (+ bonus token) -> capture features
 
 Rows with rule `ar` verify a single token per step (plain autoregressive decoding).
+
+Draft length (`draft_length`): None verifies the whole block; an int N verifies the first N drafted
+tokens; "auto" chooses per row and step from the lattice's own scores. The walk's local
+probabilities (softmax of the match scores at each chosen candidate, calibrated per slot against
+observed acceptance) give the expected tokens E(L) of verifying L drafts; a `CostModel` measured on
+this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows N and the drafter's
+cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
+does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
+under load speculation degrades to plain decoding. Every choice of L is lossless: verification is
+unchanged, only fewer drafts are checked.
 State kept per row after each step: the anchor (last committed token, not yet in the target
 cache) at position p = target cache length, the target features of verified tokens not yet in the
 drafter context, and the captured layers at p-1 (the head's target state).
@@ -19,11 +29,13 @@ import collections
 import itertools
 import math
 import operator
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from lilicorr.costmodel import CostModel, best_length
 from lilicorr.model import RULES, load_model, untrained_model
 from lilicorr.profiling import BLOCK, STAGE_ACCEPT, STAGE_DRAFT, STAGE_VERIFY, nvtx_range, stage
 from lilicorr.target import load_target
@@ -86,6 +98,9 @@ class _Seq:
     # candidate pools) of steps whose oracle prefix is not settled yet (truth not known far enough)
     truth: list[int] = field(default_factory=list)
     open_pools: list = field(default_factory=list)
+    # adaptive draft length: per-slot conditional acceptance of this row (EMA) and probe countdown
+    accept_rate: list[float] = field(default_factory=list)
+    skip: int = 0
 
     @property
     def anchor_pos(self) -> int:
@@ -108,9 +123,36 @@ def length_groups(lengths: list[int], waste: float = 0.25) -> list[list[int]]:
     return groups
 
 
+def parse_draft_length(value, slots: int):
+    """None / "" / "full" -> None (whole block); "auto" -> "auto"; N -> int in [1, slots]."""
+    if value is None or value == "" or value == "full":
+        return None
+    if value == "auto":
+        return "auto"
+    try:
+        n = operator.index(value) if not isinstance(value, str) else int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"draft length must be 'auto' or a number of drafted tokens, got {value!r}") from None
+    if slots and not 1 <= n <= slots:
+        raise ValueError(f"draft length {n} outside [1, {slots}] (the block drafts {slots} tokens)")
+    return min(n, slots) if slots else None
+
+
+def _expected(rates) -> list[float]:
+    """Per-slot conditional acceptance -> expected tokens committed when verifying 0..S drafts."""
+    out, run, total = [1.0], 1.0, 1.0
+    for r in rates:
+        run *= r if r is not None else 0.0
+        total += run
+        out.append(total)
+    return out
+
+
 class SpecEngine:
-    def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048):
-        """target: TargetModel; runner: a draft runner (None -> only rule `ar`)."""
+    def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048,
+                 draft_length: int | str | None = None):
+        """target: TargetModel; runner: a draft runner (None -> only rule `ar`); draft_length: None
+        (whole block), N (verify the first N drafts) or "auto" (module docstring)."""
         self.target = target
         self.runner = runner
         self.max_batch = max_batch
@@ -126,13 +168,22 @@ class SpecEngine:
         self.keep_results = True
         self._wanted: set[int] = set()         # rids generate() waits for (kept even without keep_results)
         self._ids = itertools.count()
+        self.draft_length = parse_draft_length(draft_length, self.block_size - 1)
+        self.cost = None
+        if self.draft_length == "auto" and runner is not None:
+            self.cost = CostModel(target, max_k=self.block_size, capture=self.capture)
+            self.cost.ratios(1)                        # the start-up measurement at one row
+        # per slot: (observed accepted, predicted) sums that calibrate the walk's probabilities
+        self._calib = [[1.0, 1.0] for _ in range(max(self.block_size - 1, 0))]
+        self._prior = [0.6] * max(self.block_size - 1, 0)   # per-slot acceptance before a row has any
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
     def from_paths(cls, target_dir, ckpt_dir=None, engine_dir=None, max_batch: int = 32,
                    max_seq_len: int = 2048, device: str = "cpu", dtype=torch.float32,
                    draft_backend: str = "torch", yarn_factor: float | None = None,
-                   untrained_seed: int | None = None, block_size: int | None = None) -> "SpecEngine":
+                   untrained_seed: int | None = None, block_size: int | None = None,
+                   draft_length: int | str | None = None) -> "SpecEngine":
         """Target from an HF folder; drafter+head from a checkpoint, an engine directory (its
         manifest names the checkpoint and the built graph), or untrained (`untrained_seed`)."""
         target = load_target(target_dir, dtype=dtype, device=device)
@@ -149,7 +200,7 @@ class SpecEngine:
         elif untrained_seed is not None:
             from lilicorr.draft_runner import TorchDraftRunner
             runner = TorchDraftRunner(untrained_model(target, seed=untrained_seed, block_size=block_size), max_batch)
-        return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len)
+        return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len, draft_length=draft_length)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
@@ -225,6 +276,7 @@ class SpecEngine:
         s.slot_reached = [0] * (self.block_size - 1)
         s.slot_accepted = [0] * (self.block_size - 1)
         s.accept_hist = [0] * (self.block_size + 1)
+        s.accept_rate = list(self._prior)
         s.truth = list(prompt)
         self._seqs[rid] = s
         return rid
@@ -309,56 +361,146 @@ class SpecEngine:
         return events
 
     def _spec_step(self, seqs: list[_Seq]) -> list[StepEvent]:
-        b, dev = self.block_size, self.device
-        with stage(STAGE_DRAFT):
-            dslots = torch.tensor([s.dslot for s in seqs], device=dev)
-            pend = [(i, s) for i, s in enumerate(seqs) if s.pending is not None and len(s.pending)]
-            if pend:
-                self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
-                                           torch.tensor([s.pending_pos for _, s in pend], device=dev))
-                for _, s in pend:
-                    s.pending = None
+        b, dev, n = self.block_size, self.device, len(seqs)
+        auto = self.cost is not None
+        t0 = time.perf_counter()
+        with stage(STAGE_ACCEPT):          # which rows draft: bookkeeping, counted with the residual
+            if auto:
+                cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
+                draft_cost = self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
+                drafting = [self._wants_draft(s, cost, draft_cost) for s in seqs]
+            else:
+                drafting = [True] * n
+            d_idx = [i for i in range(n) if drafting[i]]
+            dseqs = [seqs[i] for i in d_idx]
+            prop = None
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
             apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
-            state = torch.stack([s.state for s in seqs])                      # [N, n, H]
-        prop = self.runner.draft(dslots, anchors, apos, state, [s.rule for s in seqs])
+        if dseqs:
+            with stage(STAGE_DRAFT):
+                dslots = torch.tensor([s.dslot for s in dseqs], device=dev)
+                pend = [(i, s) for i, s in enumerate(dseqs) if s.pending is not None and len(s.pending)]
+                if pend:
+                    self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
+                                               torch.tensor([s.pending_pos for _, s in pend], device=dev))
+                    for _, s in pend:
+                        s.pending = None
+                state = torch.stack([s.state for s in dseqs])                 # [D, n, H]
+            sel = torch.tensor(d_idx, device=dev)
+            prop = self.runner.draft(dslots, anchors[sel], apos[sel], state, [s.rule for s in dseqs])
+            if auto:
+                self.cost.observe_draft(n, time.perf_counter() - t0)
+        # drafts verified per row
+        lengths = [0] * n
+        probs = None
+        if prop is not None:
+            with stage(STAGE_ACCEPT):
+                if auto:
+                    probs = self._walk_probs(prop)                             # [D, S] or None
+                    for j, i in enumerate(d_idx):
+                        rates = self._calibrated(probs[j].tolist() if probs is not None else None,
+                                                 seqs[i].accept_rate)
+                        lengths[i] = best_length(_expected(rates), cost, 0.0)[0]   # the draft is paid for
+                else:
+                    for i in d_idx:
+                        lengths[i] = self.draft_length or (b - 1)
+        t = 1 + max(lengths)
         with stage(STAGE_VERIFY):
-            block = torch.cat([anchors[:, None], prop.tokens.to(dev)], dim=1)  # [N, B]
+            block = torch.zeros(n, t, dtype=torch.long, device=dev)
+            block[:, 0] = anchors
+            if prop is not None and t > 1:
+                block[sel, 1:] = prop.tokens[:, : t - 1].to(dev)
             rows = torch.tensor([s.tslot for s in seqs], device=dev)
-            pos = apos[:, None] + torch.arange(b, device=dev)[None, :]
+            pos = apos[:, None] + torch.arange(t, device=dev)[None, :]
             out = self.target(block, pos, cache=self.cache, rows=rows, capture=self.capture)
         events = []
         with stage(STAGE_ACCEPT):
-            logits = out.logits                                               # [N, B, V]
-            greedy = logits.argmax(-1).cpu()                                  # [N, B]
-            drafted = prop.tokens.cpu()                                        # [N, S]
-            pools = prop.cand_ids.cpu()                                        # [N, S, K]
+            logits = out.logits                                               # [N, T, V]
+            greedy = logits.argmax(-1).cpu()                                  # [N, T]
+            block = block.cpu()
+            pools = prop.cand_ids.cpu().tolist() if prop is not None else None  # [D][S][K]
+            where = {i: j for j, i in enumerate(d_idx)}
             new_len = []
             for i, s in enumerate(seqs):
-                drafts = drafted[i].tolist()
+                n_d = lengths[i]
+                drafts = block[i, 1: 1 + n_d].tolist()
                 if s.temperature > 0:
-                    a, bonus = self._reject_sample(logits[i], drafts, s)
+                    a, bonus = self._reject_sample(logits[i, : n_d + 1], drafts, s)
                 else:
-                    match = (drafted[i] == greedy[i, :-1]).long().cumprod(0)
+                    match = (block[i, 1: 1 + n_d] == greedy[i, :n_d]).long().cumprod(0)
                     a = int(match.sum())
                     bonus = int(greedy[i, a])
                 # oracle: settled against the target's own continuation once it is known
-                s.open_pools.append((s.anchor_pos, pools[i].tolist()))
-                for j in range(min(a + 1, b - 1)):
+                s.open_pools.append((s.anchor_pos, pools[where[i]] if i in where else []))
+                for j in range(min(a + 1, n_d)):
                     s.slot_reached[j] += 1
                 for j in range(a):
                     s.slot_accepted[j] += 1
                 s.accept_hist[a + 1] += 1
+                if auto and i in where:
+                    self._learn(s, a, n_d, probs[where[i]].tolist() if probs is not None else None)
                 # roll the target cache back to anchor + accepted drafts (bonus not yet run)
                 new_len.append(s.anchor_pos + a + 1)
-                s.pending = out.captured[i, : a + 1].clone()                   # [a+1, n, H]
-                s.pending_pos = s.anchor_pos
+                feats = out.captured[i, : a + 1].clone()                       # [a+1, n, H]
+                if s.pending is None:
+                    s.pending, s.pending_pos = feats, s.anchor_pos
+                else:                      # a row that skipped drafting keeps its features queued
+                    s.pending = torch.cat([s.pending, feats])
                 s.state = out.captured[i, a].clone()
                 s.steps += 1
-                events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=b - 1))
+                events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=n_d))
                 self._settle_oracle(s)
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
         return events
+
+    # -- adaptive draft length -----------------------------------------------------------------
+    PROBE_EVERY = 16        # a row that stopped drafting drafts again after this many plain steps
+
+    def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float) -> bool:
+        """Whether row `s` drafts this step: its recent acceptance pays for the drafter at today's
+        load, or it is time to probe again."""
+        if best_length(_expected(s.accept_rate), cost, draft_cost)[0] > 0:
+            s.skip = 0
+            return True
+        if s.skip > 0:
+            s.skip -= 1
+            return False
+        s.skip = self.PROBE_EVERY
+        return True
+
+    @staticmethod
+    def _walk_probs(prop) -> torch.Tensor | None:
+        """[D, S] local probability of each chosen candidate under the lattice's scores: the softmax
+        of the anchor scores (slot 1), then of the pair scores from the previous choice (Eq. 1, 8).
+        None when the proposal carries no scores (argmax rows, vanilla DFlash)."""
+        a_s, p_s = prop.anchor_scores, prop.pair_scores
+        if a_s is None or p_s is None:
+            return None
+        cand, tok = prop.cand_ids.cpu(), prop.tokens.cpu()
+        idx = (cand == tok[..., None]).float().argmax(-1)                     # [D, S]
+        a_s, p_s = a_s.cpu().float(), p_s.cpu().float()
+        first = torch.softmax(a_s, -1).gather(-1, idx[:, :1])                 # [D, 1]
+        k = cand.shape[-1]
+        rows = torch.softmax(p_s, -1).gather(2, idx[:, :-1, None, None].expand(-1, -1, 1, k)).squeeze(2)
+        rest = rows.gather(-1, idx[:, 1:, None]).squeeze(-1)                   # [D, S-1]
+        p = torch.cat([first, rest], 1)
+        return torch.nan_to_num(p, nan=-1.0)           # rows without head scores: -1 -> use history
+
+    def _calibrated(self, p: list[float] | None, fallback: list[float]) -> list[float]:
+        """Walk probabilities scaled per slot by observed / predicted acceptance; the row's own
+        history where there are no scores."""
+        if p is None or any(x < 0 for x in p):
+            return fallback
+        return [min(1.0, max(0.0, x * c[0] / c[1])) for x, c in zip(p, self._calib)]
+
+    def _learn(self, s: _Seq, a: int, n_d: int, p: list[float] | None) -> None:
+        """Update the row's acceptance history and the calibration with a verified step."""
+        for j in range(min(a + 1, n_d)):
+            hit = 1.0 if j < a else 0.0
+            s.accept_rate[j] = 0.7 * s.accept_rate[j] + 0.3 * hit
+            if p is not None and p[j] >= 0:
+                c = self._calib[j]
+                c[0], c[1] = 0.98 * c[0] + hit, 0.98 * c[1] + p[j]
 
     def _ar_step(self, seqs: list[_Seq]) -> list[StepEvent]:
         dev = self.device

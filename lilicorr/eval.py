@@ -66,7 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="with --untrained: block size B")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context limit of the engine")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="target dtype; auto = bfloat16 where this machine has native bf16 matmuls (or CUDA), "
+                        "else float32")
+    p.add_argument("--draft-length", default=None,
+                   help="drafted tokens verified per step: N, or auto (per row and step from the lattice's "
+                        "scores and a cost model measured at start-up); default: the whole block")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per rule before timing (0: none)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -270,13 +275,15 @@ def _make_engine(args):
 
     from lilicorr.checkpoint import CheckpointError
     from lilicorr.engine import SpecEngine
+    from lilicorr.target import resolve_dtype
 
     kw = {"draft_backend": args.draft_backend} if args.engine else {}
     try:
         return SpecEngine.from_paths(
             args.target, ckpt_dir=args.ckpt, engine_dir=args.engine, max_batch=args.batch_size,
-            max_seq_len=args.max_seq_len, device=args.device, dtype=getattr(torch, args.dtype),
-            untrained_seed=0 if args.untrained else None, block_size=args.block_size, **kw)
+            max_seq_len=args.max_seq_len, device=args.device, dtype=resolve_dtype(args.dtype, args.device),
+            untrained_seed=0 if args.untrained else None, block_size=args.block_size,
+            draft_length=args.draft_length, **kw)
     except CheckpointError as e:
         raise EvalError(f"--ckpt {args.ckpt}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
@@ -411,7 +418,9 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "max_seq_len": engine.max_seq_len,
             "stop_ids": stop_ids,
             "device": args.device,
-            "dtype": args.dtype,
+            "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
+            "dtype_requested": args.dtype,
+            "draft_length": args.draft_length or "block",
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "profile": bool(args.profile),

@@ -25,7 +25,7 @@ from torch import nn
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary, with_yarn
 
-__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "resolve_dtype", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
@@ -323,13 +323,39 @@ def hf_to_native(sd: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, to
     return out
 
 
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX-BF16). Without them PyTorch's
+    bf16 matmuls run at a fraction of fp32 speed once more than one token is in flight
+    (results/verify_cost_cpu.md), so bf16 only pays for the target where they exist."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """"auto" (or None) -> the faster serving dtype here: bfloat16 on CUDA and on CPUs with native bf16
+    matmuls, float32 otherwise. Names and torch dtypes pass through."""
+    if dtype is None or dtype == "auto":
+        if str(device).startswith("cuda") or cpu_has_native_bf16():
+            return torch.bfloat16
+        return torch.float32
+    if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
+        return getattr(torch, dtype)
+    return dtype
+
+
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                 yarn_factor: float | None = None) -> TargetModel:
-    """Load an HF folder (config.json + safetensors, single file or sharded) as a frozen TargetModel."""
+    """Load an HF folder (config.json + safetensors, single file or sharded) as a frozen TargetModel.
+    dtype may be "auto" (`resolve_dtype`)."""
     path = Path(path)
     cfg = TargetConfig.from_hf_dir(path)
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = resolve_dtype(dtype, device)
     sd = {k: v.to(dtype) for k, v in hf_to_native(_read_safetensors(path), cfg).items()}
     if cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]

@@ -537,3 +537,68 @@ def test_smollm2_lossless(smollm2_dir, block_size):
         if r["rule"] != "ar":
             spec_acc, spec_steps = spec_acc + res.accepted_tokens, spec_steps + res.num_steps
     assert spec_acc / spec_steps > 1.5
+
+
+# ---------------------------------------------------------------------------------- draft length
+def _scripted_engine(path, block_size, draft_length, high_accept=True, seed=0):
+    target = target_of(path)
+    vocab = target.config.vocab_size
+    prompts = random_prompts(PROMPT_LENS, vocab, seed=seed)
+    reqs = _mixed_requests(prompts, MAX_TOKENS, rules=("lilicorr", "argmax", "ar"), at=lambda i: i % 2)
+    truths = {r["key"]: r["prompt"] + hf_greedy(path, r["prompt"], r["max_tokens"] + block_size) for r in reqs}
+    script = Corruptor(truths, vocab, block_size, top_k=2, seed=seed, high_accept=high_accept)
+    runner = ScriptedRunner(small_model(target, block_size, top_k=2), 8, script)
+    engine = SpecEngine(target, runner, max_batch=8, draft_length=draft_length)
+    return engine, runner, reqs, truths
+
+
+def _set_costs(engine, verify_ratio, step_seconds):
+    """Fill the engine's measured cost model with chosen numbers for every load bucket:
+    verify_ratio(k) = t_N(k)/t_N(1); the drafter's measured seconds are divided by step_seconds."""
+    cm = engine.cost
+    for b in (1, 2, 4, 8):
+        cm._ratios[b] = [verify_ratio(k) for k in range(1, cm.max_k + 1)]
+        cm.step_seconds[b] = step_seconds
+        cm.draft_cost.pop(b, None)
+
+
+@pytest.mark.parametrize("draft_length", [1, 2, "auto"])
+def test_draft_length_is_lossless_and_bounded(tiny_target_dir, draft_length):
+    """A fixed or adaptive draft length only verifies fewer drafts: outputs stay the target's greedy
+    continuation for every rule, and no step verifies more drafts than asked."""
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, draft_length)
+    if draft_length == "auto":       # verifying is nearly free and drafting costs nothing: auto drafts
+        _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)
+    results, events = run_requests(engine, reqs, runner=runner)
+    limit = 4 if draft_length == "auto" else draft_length
+    multi = 0
+    for i, (req, r) in enumerate(zip(reqs, results)):
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+        for e in events[i][1:]:
+            assert e.drafted <= (0 if req["rule"] == "ar" else limit)
+            assert e.accepted <= e.drafted + 1
+            multi += e.accepted > 1
+    assert multi > 0, "no step accepted a draft: the test does not exercise acceptance"
+
+
+def test_auto_draft_length_degrades_to_plain_steps_under_cost(tiny_target_dir):
+    """When verifying costs k plain steps for k tokens and the drafter is expensive, `auto` stops
+    drafting (0 drafts = a plain step, features still captured) except for rare probes, and stays
+    lossless, also when drafting resumes."""
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
+    _set_costs(engine, lambda k: float(k), step_seconds=1e-12)   # any drafter pass costs >> a step
+    results, events = run_requests(engine, reqs, runner=runner)
+    spec_steps = [e for i, req in enumerate(reqs) if req["rule"] != "ar" for e in events[i][1:]]
+    for req, r in zip(reqs, results):
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+    plain = sum(e.drafted == 0 for e in spec_steps)
+    assert plain >= 0.7 * len(spec_steps), f"{plain} plain steps of {len(spec_steps)}"
+
+
+def test_draft_length_rejects_bad_values(tiny_target_dir):
+    target = target_of(tiny_target_dir("llama"))
+    for bad in (0, 9, "fast", -1):
+        with pytest.raises(ValueError, match="draft length"):
+            SpecEngine(target, TorchDraftRunner(small_model(target, 5), 2), max_batch=2, draft_length=bad)

@@ -1,0 +1,112 @@
+"""Verify cost model: how much a target forward of k new tokens per row costs against a plain step.
+
+    t = measure_forward_times(target, rows=1, ks=range(1, 17))   # {k: median seconds}
+    model = CostModel.measure(target, max_k=8)                    # lazily per number of rows
+    model.ratio(rows, k)                                          # t_rows(k) / t_rows(1)
+
+Used by `scripts/verify_cost.py` (the committed t(k)/t(1) table) and by the engine's adaptive
+draft length (`--draft-length auto`), which measures the ratios at start-up on the machine it
+runs on (and once more the first time a new number of running rows appears).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+@torch.no_grad()
+def measure_forward_times(target, rows: int = 1, ks=range(1, 17), context: int = 200, reps: int = 12,
+                          warmup: int = 2, capture=()) -> dict[int, float]:
+    """Median wall seconds of one target forward of k new tokens for each of `rows` rows, each row
+    holding `context` cached tokens (random ids). The cache is rolled back after every forward, so
+    every measurement sees the same context. Reps are interleaved over k (drift hits every k alike)."""
+    ks = list(ks)
+    dev = target.embed_tokens.weight.device
+    vocab = target.config.vocab_size
+    cache = target.new_cache(rows, capacity=context + max(ks) + 1)
+    slots = torch.tensor([cache.allocate() for _ in range(rows)], device=dev)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (rows, context + max(ks)), generator=gen).to(dev)
+    pos = torch.arange(context + max(ks), device=dev).expand(rows, -1)
+    target(ids[:, :context], pos[:, :context], cache=cache, rows=slots, logits=False)
+    base = torch.full((rows,), context, dtype=torch.long, device=dev)
+    capture = list(capture)
+
+    def one(k: int) -> float:
+        t0 = time.perf_counter()
+        out = target(ids[:, context: context + k], pos[:, context: context + k], cache=cache, rows=slots,
+                     capture=capture)
+        out.logits.argmax(-1)              # the engine always reads the argmax
+        dt = time.perf_counter() - t0
+        cache.truncate(slots, base)
+        return dt
+
+    for _ in range(warmup):
+        for k in ks:
+            one(k)
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for _ in range(reps):
+        for k in ks:
+            times[k].append(one(k))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+class CostModel:
+    """t_N(k) / t_N(1) per number of rows N, measured on first use of N (rounded up to a power of
+    two, so a handful of measurements covers every load). `draft_cost` holds the drafter's cost in
+    plain steps per N, kept as a running mean of what the engine measures while it drafts."""
+
+    def __init__(self, target, max_k: int, capture=(), reps: int = 5, context: int = 128):
+        self.target, self.max_k, self.capture = target, max_k, list(capture)
+        self.reps, self.context = reps, context
+        self._ratios: dict[int, list[float]] = {}     # bucket -> [ratio k=1..max_k] (index k-1)
+        self.step_seconds: dict[int, float] = {}      # bucket -> t_N(1)
+        self.draft_cost: dict[int, float] = {}        # bucket -> drafter seconds / t_N(1)
+
+    @staticmethod
+    def bucket(rows: int) -> int:
+        return 1 << max(rows - 1, 0).bit_length()
+
+    def ratios(self, rows: int) -> list[float]:
+        b = self.bucket(rows)
+        if b not in self._ratios:
+            t = measure_forward_times(self.target, rows=b, ks=range(1, self.max_k + 1), context=self.context,
+                                      reps=self.reps, warmup=1, capture=self.capture)
+            # cost never decreases with k: take the running max so noise cannot invent free tokens
+            r, run = [], 0.0
+            for k in range(1, self.max_k + 1):
+                run = max(run, t[k] / t[1])
+                r.append(run)
+            r[0] = 1.0
+            self._ratios[b] = r
+            self.step_seconds[b] = t[1]
+        return self._ratios[b]
+
+    def ratio(self, rows: int, k: int) -> float:
+        """Cost of verifying k tokens per row (k = drafted + 1) in plain steps at `rows` rows."""
+        r = self.ratios(rows)
+        return r[min(max(k, 1), len(r)) - 1]
+
+    def observe_draft(self, rows: int, seconds: float) -> None:
+        """Fold one measured drafter pass (context append + draft) into the drafter's cost."""
+        b = self.bucket(rows)
+        self.ratios(rows)
+        c = seconds / self.step_seconds[b]
+        old = self.draft_cost.get(b)
+        self.draft_cost[b] = c if old is None else 0.8 * old + 0.2 * c
+
+
+def best_length(expected: list[float], cost: list[float], draft_cost: float) -> tuple[int, float]:
+    """Draft length L (0..S) maximising tokens per unit cost.
+
+    expected[j] = expected tokens committed when j drafts are verified (expected[0] = 1, the plain
+    step's one token); cost[j] = verify cost of j+1 tokens in plain steps. L = 0 costs one plain
+    step and needs no draft; L > 0 adds `draft_cost`. Returns (L, tokens per plain step)."""
+    best, rate = 0, expected[0] / cost[0]
+    for j in range(1, len(expected)):
+        r = expected[j] / (cost[j] + draft_cost)
+        if r > rate * (1 + 1e-9):
+            best, rate = j, r
+    return best, rate

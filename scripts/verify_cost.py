@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Measure the target's verify cost t(k)/t(1), k = 1..16, for fp32 and bf16 at 1 and 2 threads.
+
+    python scripts/verify_cost.py --target .cache/smollm2-135m-instruct-float32 \\
+        --out results/verify_cost_cpu --rows 1
+
+One process, every setting side by side: the settings take turns in `--rounds` rounds (each round
+runs every k of every setting), and each ratio is the median over rounds of per-round medians, so
+load drift on a shared machine hits every setting alike. Writes OUT.json and OUT.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lilicorr.costmodel import measure_forward_times
+from lilicorr.target import load_target
+
+
+def cpu_flags() -> list[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(f for f in line.split(":", 1)[1].split() if "avx512" in f or "amx" in f or f == "avx2")
+    except OSError:
+        pass
+    return []
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--out", required=True, help="output path without suffix (.json and .md are written)")
+    p.add_argument("--rows", type=int, default=1, help="rows per forward (batch)")
+    p.add_argument("--max-k", type=int, default=16)
+    p.add_argument("--context", type=int, default=200, help="cached tokens per row")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--reps", type=int, default=4, help="forwards per k per round")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--note", default="", help="free text for the results file (e.g. 'machine shared')")
+    args = p.parse_args(argv)
+    dtypes = args.dtypes.split(",")
+    threads = [int(t) for t in args.threads.split(",")]
+    targets = {d: load_target(args.target, dtype=getattr(torch, d)) for d in dtypes}
+    ks = range(1, args.max_k + 1)
+    per_round: dict[tuple[str, int], list[dict[int, float]]] = {(d, t): [] for d in dtypes for t in threads}
+    for r in range(args.rounds):
+        for (d, t), acc in per_round.items():
+            torch.set_num_threads(t)
+            acc.append(measure_forward_times(targets[d], rows=args.rows, ks=ks, context=args.context,
+                                             reps=args.reps, warmup=1))
+            print(f"[verify_cost] round {r + 1}/{args.rounds} {d} {t} thread(s): "
+                  f"t(1)={acc[-1][1] * 1e3:.1f} ms t(8)/t(1)={acc[-1][8] / acc[-1][1]:.2f}", file=sys.stderr, flush=True)
+    rows = []
+    for (d, t), acc in per_round.items():
+        t1 = statistics.median(a[1] for a in acc)
+        ratios = {k: statistics.median(a[k] / a[1] for a in acc) for k in ks}
+        rows.append({"dtype": d, "threads": t, "t1_ms": t1 * 1e3, "ratio": ratios})
+    ks_show = list(ks)
+    head = "| dtype, threads | t(1) | " + " | ".join(f"k={k}" for k in ks_show[1:]) + " |"
+    lines = [head, "|---|" + "---:|" * len(ks_show)]
+    for row in rows:
+        lines.append(f"| {row['dtype']}, {row['threads']} | {row['t1_ms']:.1f} ms | "
+                     + " | ".join(f"{row['ratio'][k]:.2f}x" for k in ks_show[1:]) + " |")
+    ref = next((r for r in rows if r["dtype"] == "float32" and r["threads"] == threads[0]), rows[0])
+    lines += ["", "Plain step t(1) relative to " + f"{ref['dtype']}, {ref['threads']} thread(s): "
+              + ", ".join(f"{r['dtype']}/{r['threads']}: {r['t1_ms'] / ref['t1_ms']:.2f}x" for r in rows)]
+    table = "\n".join(lines)
+    cmd = "python scripts/verify_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    md = (f"# Target verify cost t(k)/t(1) on this CPU\n\n"
+          f"A forward of k new tokens per row ({args.rows} row(s), {args.context} cached tokens), relative to "
+          f"a plain 1-token step of the same setting; median over {args.rounds} interleaved rounds of "
+          f"{args.reps} forwards. Made by:\n\n    {cmd}\n\n"
+          f"CPU: {platform.processor() or platform.machine()}, flags {' '.join(cpu_flags()) or '(none of avx2/avx512/amx)'}; "
+          f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}.\n"
+          f"{args.note}\n\n{table}\n")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(md)
+    out.with_suffix(".json").write_text(json.dumps({
+        "command": cmd, "rows": args.rows, "context": args.context, "rounds": args.rounds, "reps": args.reps,
+        "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_flags": cpu_flags(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "note": args.note,
+        "results": [{**r, "ratio": {str(k): v for k, v in r["ratio"].items()}} for r in rows]}, indent=2))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
