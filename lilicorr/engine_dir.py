@@ -158,10 +158,44 @@ def read_manifest(engine_dir, check_files: bool = False) -> dict:
         if check_files:
             if f.stat().st_size != info.get("bytes"):
                 raise EngineDirError(f"engine {engine_dir}: {name} has {f.stat().st_size} bytes, "
-                                     f"the manifest says {info.get('bytes')}")
+                                     f"the manifest says {info.get('bytes')} (copied incompletely or changed?)")
             if file_sha256(f) != info.get("sha256"):
-                raise EngineDirError(f"engine {engine_dir}: {name} does not match its sha256")
+                raise EngineDirError(f"engine {engine_dir}: {name} does not match its sha256 in the manifest "
+                                     "(corrupt or changed since the build)")
+    check_manifest_fields(m, path)
     return m
+
+
+def check_manifest_fields(m: dict, where="manifest") -> None:
+    """The manifest's summary fields (block_size, top_k, shapes) agree with its config and with the
+    draft graph's recorded output shapes (tokens [N, S], cand_ids [N, S, K]); EngineDirError names
+    the first disagreement."""
+    try:
+        cfg = m["config"]
+        want = {"block_size": int(cfg["drafter"]["block_size"]), "top_k": int(cfg["head"]["top_k"])}
+    except (KeyError, TypeError, ValueError) as e:
+        raise EngineDirError(f"{where}: the config entry lacks {e}") from None
+    seen: dict[str, list[tuple[str, object]]] = {"block_size": [], "top_k": []}
+    seen["block_size"].append(("block_size", m.get("block_size")))
+    seen["top_k"].append(("top_k", m.get("top_k")))
+    shapes = m.get("shapes") or {}
+    if "B" in shapes:
+        seen["block_size"].append(("shapes.B", shapes["B"]))
+    if "S" in shapes:
+        seen["block_size"].append(("shapes.S + 1", None if shapes["S"] is None else shapes["S"] + 1))
+    if "K" in shapes:
+        seen["top_k"].append(("shapes.K", shapes["K"]))
+    outs = ((m.get("graphs") or {}).get("draft") or {}).get("outputs") or {}
+    tokens, cand = outs.get("tokens"), outs.get("cand_ids")
+    if isinstance(tokens, list) and len(tokens) == 2 and isinstance(tokens[1], int):
+        seen["block_size"].append(("draft graph tokens [N, S] (S + 1)", tokens[1] + 1))
+    if isinstance(cand, list) and len(cand) == 3 and isinstance(cand[2], int):
+        seen["top_k"].append(("draft graph cand_ids [N, S, K]", cand[2]))
+    for field, values in seen.items():
+        for name, v in values:
+            if v is not None and v != want[field]:
+                raise EngineDirError(f"{where}: {name} is {v!r} but the engine's config and graph have "
+                                     f"{field} {want[field]}")
 
 
 def lilicorr_config(manifest: dict):

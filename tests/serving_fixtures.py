@@ -24,6 +24,7 @@ BLOCK_SIZE = 4
 MAX_SEQ_LEN = 128          # the tiny target's max_position_embeddings
 # what a request may use on the server: the engine keeps room for one block (repository.open_engine)
 SERVED_SEQ_LEN = MAX_SEQ_LEN - BLOCK_SIZE
+ADMIN_KEY = "test-admin-key"   # engine_server's operator key for the (otherwise closed) control APIs
 
 
 def have_tritonserver() -> bool:
@@ -79,9 +80,9 @@ def engine_repository(serving_target: Path, engine_dir: Path, out: Path, **kw) -
 @pytest.fixture(scope="session")
 def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
     """One server for every integration test that does not stop its own server (profile=true:
-    the stage metrics are on /metrics)."""
+    the stage metrics are on /metrics; the control APIs open with the header admin-key: ADMIN_KEY)."""
     repo = engine_repository(serving_target, tiny_engine_dir, tmp_path_factory.mktemp("engine-repo"), profile=True)
-    srv = start_server(repo)
+    srv = start_server(repo, admin_key=ADMIN_KEY)
     try:
         yield srv
     finally:

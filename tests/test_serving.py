@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -247,9 +249,14 @@ def test_engine_loop_cancel_frees_sequence(make_engine, loop_reference):
     gone = Job("gone", [1, 9, 12], gp(100, rule="ar"), RecordingSink(cancel_after=2))   # client went away
     ok = Job("ok", [1, 5], gp(5), RecordingSink())
     loop = EngineLoop(eng, cancel_check_period_s=0.0, idle_poll_s=0.01).start()
-    # stop=true by request id (how the ensemble cancels): a last data response, finish_reason "cancelled"
-    stopped = Job("stopped", [1, 44], gp(100, rule="lilicorr"),
-                  RecordingSink(on_send=lambda s: loop.cancel_request_id("stopped")))
+    # stop by the job's secret key (how the ensemble cancels): a last data response, finish_reason
+    # "cancelled"; the key travels in every response (job_key), a request id or a wrong key does nothing
+    def stop_by_key(sink):
+        loop.cancel_job("stopped")                       # its request id is not its key
+        loop.cancel_job("0" * 32)
+        if len(sink.responses) >= 2:
+            loop.cancel_job(sink.responses[-1]["job_key"][0].decode())
+    stopped = Job("stopped", [1, 44], gp(100, rule="lilicorr"), RecordingSink(on_send=stop_by_key))
     try:
         for j in (gone, ok, stopped):
             loop.submit(j)
@@ -259,7 +266,9 @@ def test_engine_loop_cancel_frees_sequence(make_engine, loop_reference):
         loop.stop()
     assert gone.sink.finals == 1 and not gone.sink.errors and len(gone.sink.tokens()) < 100
     assert stopped.sink.finals == 1 and stopped.sink.last("finish_reason") == "cancelled"
-    assert len(stopped.sink.tokens()) < 100
+    assert 2 <= len(stopped.sink.responses) and len(stopped.sink.tokens()) < 100
+    assert {r["job_key"][0] for r in stopped.sink.responses} == {stopped.key.encode()}
+    assert len(stopped.key) == 32 and stopped.key != gone.key
     assert loop.stats.requests_cancelled == 2 and loop.stats.requests_ok == 1
     assert ok.sink.tokens() == loop_reference([1, 5], 5, "lilicorr").tokens
     # both sequences are gone from the engine and their cache slots are free again
@@ -347,19 +356,99 @@ def test_engine_loop_stop_answers_everything(make_engine):
     loop.submit(Job("late", [1], gp(1), late))
     assert late.errors and late.errors[0][0] == "UNAVAILABLE"
 
+
+def test_engine_loop_drain(make_engine, loop_reference):
+    """begin_drain: new jobs are refused at once; running (and already waiting) ones continue
+    until the deadline, then each ends with a final data response, finish_reason "shutdown",
+    and its sequence is freed."""
+    eng = make_engine(max_batch=2)
+    loop = EngineLoop(eng, idle_poll_s=0.01, max_active=2, cancel_check_period_s=0.0)
+    short = Job("short", [1, 8], gp(3, rule="ar"), RecordingSink())
+    drained = threading.Event()
+
+    def on_step(stats, events):     # engine thread: drain once the short job has finished
+        if short.sink.done.is_set() and not drained.is_set():
+            drained.set()
+            loop.begin_drain(time.monotonic() + 0.3)
+            loop.submit(Job("new", [1, 9], gp(2), refused))
+    refused = RecordingSink()
+    loop.on_step = on_step
+    long_jobs = [Job(f"long{i}", [1, 30 + i], gp(100, rule="ar", stream=i == 0), RecordingSink())
+                 for i in range(3)]                          # two active, one waiting
+    loop.start()
+    try:
+        for j in [short, *long_jobs]:
+            loop.submit(j)
+        for j in [short, *long_jobs]:
+            assert j.sink.done.wait(60), j.request_id
+    finally:
+        loop.stop()
+    assert short.sink.tokens() == loop_reference([1, 8], 3, "ar").tokens
+    assert refused.errors and refused.errors[0][0] == "UNAVAILABLE" and "shutting down" in refused.errors[0][1]
+    for j in long_jobs:
+        assert j.sink.finals == 1 and not j.sink.errors
+        assert j.sink.last("finish_reason") == "shutdown" and bool(j.sink.responses[-1]["is_final"][0])
+        assert 0 < len(j.sink.tokens()) < 100 if j.request_id != "long2" else len(j.sink.tokens()) < 100
+    # the non-streaming job gets every token it generated in its one (final) response
+    assert len(long_jobs[1].sink.responses) == 1 and len(long_jobs[1].sink.tokens()) > 0
+    assert eng.num_active == 0 and loop.stats.requests_cancelled == 3
+
 # =============================================================================== repository / launcher
-def test_read_engine_manifest_relative_paths(tmp_path):
-    target = tmp_path / "targets" / "tiny"
-    target.mkdir(parents=True)
-    eng = tmp_path / "engines" / "e1"
-    eng.mkdir(parents=True)
-    (eng / "manifest.json").write_text(json.dumps({"target_dir": "../../targets/tiny", "ckpt": None,
-                                                   "block_size": 8, "top_k": 4, "backend": "onnxruntime"}))
-    spec = read_engine_manifest(eng)
-    assert spec.target_dir == target.resolve() and spec.engine_dir == eng.resolve()
-    assert (spec.draft_backend, spec.block_size, spec.top_k, spec.ckpt_dir) == ("onnxruntime", 8, 4, None)
-    with pytest.raises(FileNotFoundError, match="manifest.json"):
+def _copy_engine(src: Path, dst: Path, **manifest_changes) -> Path:
+    """A verbatim copy of an engine directory, optionally with manifest fields changed."""
+    import shutil
+    shutil.copytree(src, dst)
+    if manifest_changes:
+        m = json.loads((dst / "manifest.json").read_text())
+        m.update(manifest_changes)
+        (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def test_engine_dir_is_relocatable_and_checked(tiny_engine_dir, serving_target, tmp_path):
+    """A copied engine dir serves: its target is the manifest's target_dir relative to the
+    manifest, or --target; every problem is one EngineDirError line naming what is wrong."""
+    from lilicorr.engine_dir import EngineDirError
+    # a relative target path that does not resolve from the copy's new place
+    moved = _copy_engine(tiny_engine_dir, tmp_path / "elsewhere" / "engine", target_dir="../../targets/tiny")
+    with pytest.raises(EngineDirError, match="--target") as ei:
+        read_engine_manifest(moved)
+    assert "\n" not in str(ei.value)
+    spec = read_engine_manifest(moved, target=serving_target)
+    assert spec.target_dir == serving_target.resolve() and spec.engine_dir == moved.resolve()
+    assert (spec.draft_backend, spec.block_size) == ("onnxruntime", BLOCK_SIZE)
+    (tmp_path / "targets").mkdir()
+    (tmp_path / "targets" / "tiny").symlink_to(serving_target)       # resolved relative to the manifest
+    assert read_engine_manifest(moved).target_dir == (tmp_path / "targets" / "tiny").resolve()
+    with pytest.raises(EngineDirError, match="config.json"):
+        read_engine_manifest(moved, target=tmp_path)                   # not a target folder
+    # files are checked against the manifest's size and sha256; the message names the file
+    bad = _copy_engine(tiny_engine_dir, tmp_path / "truncated")
+    data = (bad / "draft.ort.onnx").read_bytes()
+    (bad / "draft.ort.onnx").write_bytes(data[: len(data) // 2])
+    with pytest.raises(EngineDirError, match=r"draft\.ort\.onnx has \d+ bytes"):
+        read_engine_manifest(bad)
+    (bad / "draft.ort.onnx").write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(EngineDirError, match=r"draft\.ort\.onnx does not match its sha256"):
+        read_engine_manifest(bad)
+    # manifest fields are validated against the config and the draft graph
+    for field, value in (("block_size", BLOCK_SIZE + 4), ("top_k", 3)):
+        wrong = _copy_engine(tiny_engine_dir, tmp_path / f"wrong-{field}", **{field: value})
+        with pytest.raises(EngineDirError, match=f"{field} is {value}"):
+            read_engine_manifest(wrong)
+    with pytest.raises(EngineDirError, match="manifest.json is missing"):
         read_engine_manifest(tmp_path)
+
+
+def test_serve_cli_engine_errors_are_one_line(tiny_engine_dir, tmp_path):
+    """deploy/serve.py: a missing manifest or an unresolvable target is one clear line, exit 2."""
+    moved = _copy_engine(tiny_engine_dir, tmp_path / "moved", target_dir="../no-such-target")
+    for engine, want in ((tmp_path, "manifest.json is missing"), (moved, "--target")):
+        proc = subprocess.run([sys.executable, str(REPO / "deploy" / "serve.py"), "--engine", str(engine)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("serve: error:") and want in lines[0], proc.stderr
 
 
 def test_generate_repository(tmp_path):
@@ -372,8 +461,18 @@ def test_generate_repository(tmp_path):
     cfg = (repo / "lilicorr" / "config.pbtxt").read_text()
     assert "decoupled: true" in cfg and '"7"' in cfg and "onnxruntime" in cfg
     assert (repo / "lilicorr" / "1" / "model.py").is_file()
+    # no absolute path in any config (clients can read them): symlinks in the model directories
+    for m in ("preprocessing", "lilicorr", "postprocessing", "ensemble"):
+        text = (repo / m / "config.pbtxt").read_text()
+        assert str(tmp_path) not in text and 'string_value: "/' not in text, m
+    assert os.readlink(repo / "lilicorr" / "target") == str((tmp_path / "t").resolve())
+    assert os.readlink(repo / "lilicorr" / "engine") == str((tmp_path / "e").resolve())
+    assert 'key: "target_dir" value: { string_value: "target" }' in cfg
+    assert 'key: "engine_dir" value: { string_value: "engine" }' in cfg
     if venv_root() is not None:
-        assert f'"EXECUTION_ENV_PATH" value: {{ string_value: "{venv_root()}" }}' in cfg
+        assert '"EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/pyenv" }' in cfg
+        assert os.readlink(repo / "preprocessing" / "pyenv") == str(venv_root().resolve())
+    assert not (repo / "ensemble" / "target").exists()
     assert model_parameters({"parameters": {"a": {"string_value": "x"}, "b": {"string_value": "${b}"}}}) == \
         {"a": "x", "b": ""}
 
@@ -783,43 +882,127 @@ def test_shutdown_with_a_client_holding_its_stream_open(serving_target, tiny_eng
     raw.close()
 
 
+def _serve_cmd(engine: Path, ports: list[int], *extra: str) -> list[str]:
+    return [sys.executable, str(REPO / "deploy" / "serve.py"), "--engine", str(engine), "--num-threads", "1",
+            "--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), "--grpc-port", str(ports[0]),
+            "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), *extra]
+
+
+def _wait_serve_ready(proc, timeout: float = 240) -> list[str]:
+    lines = []
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        line = proc.stdout.readline()
+        if not line and proc.poll() is not None:
+            break
+        lines.append(line)
+        if line.startswith("[serve] ready"):
+            return lines
+    pytest.fail("serve.py did not become ready:\n" + "".join(lines[-40:]))
+
+
 @integration
-def test_serve_script_sigterm(serving_target, tiny_engine_dir, tokenizer, reference):
-    """deploy/serve.py end to end on the real engine (--engine DIR; --target with an untrained
-    drafter where the converter cannot build an engine dir): ready line, a request, SIGTERM ->
-    exit 0, nothing left behind."""
+def test_serve_script_sigterm_drains(serving_target, tiny_engine_dir, tokenizer, reference, tmp_path):
+    """deploy/serve.py end to end on a *copied* engine dir (its relative target path broken,
+    --target given): ready, a request, then SIGTERM with streams in flight and --drain-timeout 0:
+    every stream gets a final response with finish_reason "shutdown", a new request is refused,
+    tritonserver exits cleanly, serve.py exits 0 and leaves nothing behind."""
     if not have_tritonserver():
         pytest.skip("no tritonserver")
     dirs_before = _our_tmp_dirs()
+    moved = _copy_engine(tiny_engine_dir, tmp_path / "copy" / "engine", target_dir="../../nowhere")
     ports = [free_port() for _ in range(3)]
-    what = ["--engine", str(tiny_engine_dir)]
-    cmd = [sys.executable, str(REPO / "deploy" / "serve.py"), *what, "--num-threads", "1", "--device", "cpu",
-           "--max-seq-len", str(MAX_SEQ_LEN),
-           "--grpc-port", str(ports[0]), "--http-port", str(ports[1]), "--metrics-port", str(ports[2])]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
-    lines = []
+    proc = subprocess.Popen(_serve_cmd(moved, ports, "--target", str(serving_target), "--drain-timeout", "0",
+                                       "--admin-key", "k"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            line = proc.stdout.readline()
-            if not line and proc.poll() is not None:
-                break
-            lines.append(line)
-            if line.startswith("[serve] ready"):
-                break
-        assert lines and lines[-1].startswith("[serve] ready"), "".join(lines[-40:])
-        res = LiLiCorrClient(f"127.0.0.1:{ports[0]}", timeout=60).generate("hello", max_tokens=4, ignore_eos=True)
+        _wait_serve_ready(proc)
+        client = LiLiCorrClient(f"127.0.0.1:{ports[0]}", timeout=60)
+        res = client.generate("hello", max_tokens=4, ignore_eos=True)
         assert res.token_ids == reference(chat_ids(tokenizer, "hello"), 4, "lilicorr", ignore_eos=True).tokens
+        what = [dict(prompt="hello"), dict(prompt="how are you"), dict(input_ids=[1, 9, 12]), dict(input_ids=[1, 7])]
+        streams = [client.stream(**w, max_tokens=LONG, decode_rule="ar", ignore_eos=True) for w in what]
+        firsts = [next(iter(gs)) for gs in streams]           # all in flight
+        out: dict[int, object] = {}
+
+        def read(i):
+            try:
+                out[i] = streams[i].result()
+            except Exception as e:  # noqa: BLE001
+                out[i] = e
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
+        for r in readers:
+            r.start()
+        t0 = time.time()
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        time.sleep(0.5)
+        with pytest.raises(Exception):          # refused: UNAVAILABLE from the engine, or the model is gone
+            LiLiCorrClient(f"127.0.0.1:{ports[0]}", timeout=30).generate(input_ids=[1, 5], max_tokens=2)
+        for r in readers:
+            r.join(60)
+        output, _ = proc.communicate(timeout=60)
+        took = time.time() - t0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == 0, out[-3000:]
-    assert "[serve] stopped (tritonserver exit code 0)" in out
+    for i, first in enumerate(firsts):
+        res = out[i]
+        assert isinstance(res, GenerationResult), res
+        assert res.finish_reason == "shutdown" and 0 < res.num_tokens < LONG, (i, res.finish_reason, res.num_tokens)
+    assert proc.returncode == 0, output[-3000:]
+    assert "[serve] stopped (tritonserver exit code 0)" in output
+    assert took < 30
     assert leftover_shm(f"{SHM_BASE_PREFIX}lilicorr_{proc.pid}_") == []
     assert _our_tmp_dirs() <= dirs_before
+
+
+def _children(pid: int) -> list[int]:
+    path = Path(f"/proc/{pid}/task/{pid}/children")
+    return [int(x) for x in path.read_text().split()] if path.exists() else []
+
+
+@integration
+def test_sigkill_of_the_launcher_leaves_no_orphan(tiny_engine_dir):
+    """SIGKILL of deploy/serve.py takes tritonserver and its stubs with it (parent-death signal +
+    reaper): the ports are free again and no shared memory or temp folder stays behind. A port
+    already in use is reported in one line before tritonserver starts."""
+    from lilicorr.serving.launcher import port_in_use
+    if not have_tritonserver():
+        pytest.skip("no tritonserver")
+    ports = [free_port() for _ in range(3)]
+    proc = subprocess.Popen(_serve_cmd(tiny_engine_dir, ports), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=REPO)
+    try:
+        _wait_serve_ready(proc)
+        triton = [c for c in _children(proc.pid)
+                  if "tritonserver" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+        assert len(triton) == 1
+        pgid = triton[0]
+        assert len(live_group_members(pgid)) >= 2                 # the server and its stubs
+        shm = f"{SHM_BASE_PREFIX}lilicorr_{proc.pid}_"
+        assert leftover_shm(shm)
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        left = dict(procs=live_group_members(pgid), ports=[p for p in ports if port_in_use("127.0.0.1", p)],
+                    shm=leftover_shm(shm), tmp=[d for d in _our_tmp_dirs() if f"-triton-{proc.pid}-" in d])
+        if not any(left.values()):
+            break
+        time.sleep(0.2)
+    assert not any(left.values()), left
+    # stale-port check: a port in use stops the launch at once with one clear line
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        res = subprocess.run(_serve_cmd(tiny_engine_dir, [busy, free_port(), free_port()]), capture_output=True,
+                             text=True, timeout=120, cwd=REPO)
+    assert res.returncode == 1
+    assert f"serve: error: grpc port {busy} on 127.0.0.1 is already in use" in res.stderr, res.stderr[-2000:]
 
 
 def test_serve_has_no_engine_factory_hook():
@@ -875,3 +1058,276 @@ def test_bench_cli(engine_server, tokenizer, reference, tmp_path):
             assert c["tau"] == pytest.approx(sum(r.accepted_tokens for r in refs) / steps if steps else None)
     assert "| lilicorr | 4 |" in proc.stdout
     assert out.with_suffix(".png").stat().st_size > 1000
+
+
+# =============================================================================== hardening
+def test_messages_json_depth_and_prompt_checks():
+    assert protocol.json_depth('[{"role": "user", "content": "[[[{\\"]"}]') == 2
+    assert protocol.parse_messages_json('[{"role": "user", "content": "hi"}]') == [{"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError, match="nested 20000 levels deep"):
+        protocol.parse_messages_json("[" * 20000 + "]" * 20000)
+    with pytest.raises(RequestError, match="not valid JSON"):
+        protocol.parse_messages_json('[{"role": "user"')
+
+
+def _raw_stream(srv, model: str, inputs: list, request_id: str = "", outputs=None, **params):
+    """A tritonclient gRPC stream as a plain client opens it (no request id by default);
+    returns (client, queue of (result, error))."""
+    import queue
+
+    import tritonclient.grpc as g
+    c = g.InferenceServerClient(srv.grpc_url)
+    q: "queue.Queue" = queue.Queue()
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer(model, inputs, request_id=request_id, outputs=outputs, parameters=params or None,
+                         enable_empty_final_response=True)
+    return c, q
+
+
+def _is_final(result) -> bool:
+    return bool(result.get_response().parameters["triton_final_response"].bool_param)
+
+
+def _read_until_final(q, timeout: float = 120.0) -> list:
+    out = []
+    while True:
+        result, error = q.get(timeout=timeout)
+        assert error is None, error
+        out.append(result)
+        if _is_final(result):
+            return out
+
+
+def _ids_of(results) -> list[int]:
+    return [int(t) for r in results if r.as_numpy("output_ids") is not None
+            for t in r.as_numpy("output_ids").reshape(-1)]
+
+
+def _reason(results) -> str:
+    for r in reversed(results):
+        fr = r.as_numpy("finish_reason")
+        if fr is not None:
+            return fr.reshape(-1)[0].decode()
+    return ""
+
+
+def _http(method: str, url: str, body=None, headers=None) -> tuple[int, str]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json",
+                                                                         **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+@integration
+def test_control_apis_need_the_admin_key(engine_server, good_request, tmp_path, serving_target, tiny_engine_dir):
+    """Model load/unload (incl. uploading a model.py), logging, shared memory and trace settings are
+    refused without the admin header on HTTP and gRPC; inference and health stay open; the model
+    configs a client can read carry no absolute path."""
+    import base64
+
+    import tritonclient.grpc as g
+    from tritonclient.utils import InferenceServerException
+
+    from lilicorr.serving.launcher import GRPC_ADMIN_HEADER
+    from serving_fixtures import ADMIN_KEY
+    base = f"http://{engine_server.http_url}"
+    marker = tmp_path / "uploaded-code-ran"
+    model_py = (f"open({str(marker)!r}, 'w').write('x')\n"
+                "class TritonPythonModel:\n    def execute(self, requests):\n        return []\n")
+    config = json.dumps({"name": "evil", "backend": "python", "max_batch_size": 0,
+                         "input": [{"name": "x", "data_type": "TYPE_INT32", "dims": [1]}],
+                         "output": [{"name": "y", "data_type": "TYPE_INT32", "dims": [1]}]})
+    upload = {"parameters": {"config": config, "file:1/model.py": base64.b64encode(model_py.encode()).decode()}}
+    region = {"key": "/" + SHM_BASE_PREFIX + "x", "offset": 0, "byte_size": 64}
+    for method, path, body in [
+            ("POST", "/v2/repository/index", {}), ("POST", "/v2/repository/models/evil/load", upload),
+            ("POST", "/v2/repository/models/lilicorr/unload", {}),
+            ("POST", "/v2/repository/models/ensemble/unload", {}),
+            ("POST", "/v2/repository/models/lilicorr/load", {"parameters": {"config": '{"max_batch_size": 4096}'}}),
+            ("GET", "/v2/logging", None), ("POST", "/v2/logging", {"log_error": False}),
+            ("GET", "/v2/systemsharedmemory/status", None),
+            ("POST", "/v2/systemsharedmemory/region/r/register", region),
+            ("GET", "/v2/trace/setting", None), ("POST", "/v2/trace/setting", {"trace_level": ["TIMESTAMPS"]})]:
+        status, text = _http(method, base + path, body)
+        assert status != 200 and "restricted" in text and "admin-key" in text, (method, path, status, text)
+        status, text = _http(method, base + path, body, {"admin-key": "wrong"})
+        assert status != 200 and "restricted" in text, (method, path, status, text)
+    c = g.InferenceServerClient(engine_server.grpc_url)
+    try:
+        for name, call in [
+                ("unload", lambda **h: c.unload_model("lilicorr", **h)),
+                ("load", lambda **h: c.load_model("evil", config=config, files={"1/model.py": model_py.encode()}, **h)),
+                ("index", lambda **h: c.get_model_repository_index(**h)),
+                ("log get", lambda **h: c.get_log_settings(**h)),
+                ("log set", lambda **h: c.update_log_settings({"log_error": False}, **h)),
+                ("shm status", lambda **h: c.get_system_shared_memory_status(**h)),
+                ("shm register", lambda **h: c.register_system_shared_memory("r", region["key"], 64, **h)),
+                ("trace", lambda **h: c.get_trace_settings(**h))]:
+            with pytest.raises(InferenceServerException, match="restricted"):
+                call()
+            with pytest.raises(InferenceServerException, match="restricted"):
+                call(headers={GRPC_ADMIN_HEADER: "wrong"})
+        # nothing was loaded, unloaded or reconfigured; no uploaded code ran
+        assert not marker.exists()
+        for m in ("preprocessing", "lilicorr", "postprocessing", "ensemble"):
+            assert http_get(f"{base}/v2/models/{m}/ready")[0] == 200
+        assert http_get(f"{base}/v2/models/evil/ready")[0] != 200
+        good_request(client_for(engine_server))
+        # the operator's key opens them (read-only calls here)
+        index = c.get_model_repository_index(headers={GRPC_ADMIN_HEADER: ADMIN_KEY}, as_json=True)
+        assert {m["name"] for m in index["models"]} >= {"lilicorr", "ensemble"}
+        assert c.get_log_settings(headers={GRPC_ADMIN_HEADER: ADMIN_KEY}, as_json=True)["settings"]
+        status, text = _http("POST", base + "/v2/repository/index", {}, {"admin-key": ADMIN_KEY})
+        assert status == 200 and "lilicorr" in text
+    finally:
+        c.close()
+    # model configs are readable by any client: no absolute paths of this machine
+    secrets = {str(p) for p in (tiny_engine_dir, serving_target, engine_server.model_repository, Path(sys.prefix))}
+    secrets |= {os.path.realpath(p) for p in secrets}
+    for m in ("preprocessing", "lilicorr", "postprocessing", "ensemble"):
+        status, body = http_get(f"{base}/v2/models/{m}/config")
+        assert status == 200
+        leaked = [p for p in secrets if p in body]
+        assert not leaked and '"string_value":"/' not in body.replace(" ", ""), (m, leaked)
+
+
+def _engine_inputs(model: str, **kw) -> list:
+    return LiLiCorrClient("unused").build_inputs(model, **kw)
+
+
+@integration
+@pytest.mark.parametrize("model", ["ensemble", "lilicorr"])
+def test_cancel_without_request_id_frees_row(engine_server, good_request, model):
+    """tritonclient's default stream (no request id) cancelled mid-generation: the engine frees
+    the row within a few engine steps (ensemble: the next response reaches postprocessing, which
+    stops the job with its secret key; lilicorr: the sender reports is_cancelled())."""
+    client = client_for(engine_server)
+    good_request(client)
+    before = _idle_metrics(engine_server)
+    what = dict(prompt="hello") if model == "ensemble" else dict(input_ids=[1, 9, 12])
+    c, q = _raw_stream(engine_server, model, _engine_inputs(model, **what, max_tokens=LONG, decode_rule="lilicorr"),
+                       ignore_eos=True)
+    got = 0
+    while got < 3:
+        result, error = q.get(timeout=120)
+        assert error is None, error
+        got += len(result.as_numpy("output_ids").reshape(-1))
+    steps_at_cancel = metric(metrics_text(engine_server), "lilicorr_engine_steps")
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    text = _wait_freed(engine_server, metric(before, "lilicorr_requests_cancelled"))
+    assert metric(text, "lilicorr_requests_completed") == metric(before, "lilicorr_requests_completed")
+    assert metric(text, "lilicorr_output_tokens") - metric(before, "lilicorr_output_tokens") < LONG
+    assert metric(text, "lilicorr_engine_steps") - steps_at_cancel <= 4     # freed within an engine step or so
+    good_request(client)
+
+
+@integration
+@pytest.mark.parametrize("model", ["ensemble", "lilicorr"])
+def test_http_stream_abort_frees_row(engine_server, good_request, model):
+    """A client that closes its HTTP generate_stream connection mid-generation: the row is freed."""
+    import http.client
+    client = client_for(engine_server)
+    good_request(client)
+    before = _idle_metrics(engine_server)
+    body = {"max_tokens": LONG, "decode_rule": "lilicorr", "parameters": {"ignore_eos": True}}
+    body.update({"text_input": "hello"} if model == "ensemble" else {"input_ids": [1, 9, 12]})
+    host, port = engine_server.http_url.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    events = 0
+    while events < 3:
+        line = resp.fp.readline()
+        assert line, "the stream ended early"
+        if line.startswith(b"data:"):
+            assert b"error" not in line, line
+            events += 1
+    conn.sock.shutdown(2)
+    conn.close()
+    text = _wait_freed(engine_server, metric(before, "lilicorr_requests_cancelled"))
+    assert metric(text, "lilicorr_requests_completed") == metric(before, "lilicorr_requests_completed")
+    assert metric(text, "lilicorr_output_tokens") - metric(before, "lilicorr_output_tokens") < LONG
+    good_request(client)
+
+
+@integration
+def test_stop_needs_the_job_key(engine_server):
+    """stop=true stops only the job whose secret job_key it carries: another client reusing the
+    victim's request id, or guessing a key, stops nothing; the owner (who received the key in its
+    responses) can stop its own request. The ensemble never hands the key to its clients."""
+    import tritonclient.grpc as g
+    outputs = [g.InferRequestedOutput(n) for n in ("output_ids", "finish_reason", "job_key")]
+
+    def start(rid):
+        c, q = _raw_stream(engine_server, "lilicorr",
+                           _engine_inputs("lilicorr", input_ids=[1, 9, 12], max_tokens=LONG, decode_rule="ar"),
+                           request_id=rid, outputs=outputs, ignore_eos=True)
+        first, error = q.get(timeout=120)
+        assert error is None, error
+        return c, q, first
+
+    def stop(rid, key=None):
+        inputs = _engine_inputs("lilicorr", input_ids=[0])
+        for name, arr, dt in [("stop", np.array([True]), "BOOL")] + (
+                [("job_key", np.array([key.encode()], dtype=np.object_), "BYTES")] if key else []):
+            inp = g.InferInput(name, [1], dt)
+            inp.set_data_from_numpy(arr)
+            inputs.append(inp)
+        c, q = _raw_stream(engine_server, "lilicorr", inputs, request_id=rid)
+        _read_until_final(q)
+        c.stop_stream()
+        c.close()
+
+    c, q, first = start("victim")
+    key = first.as_numpy("job_key").reshape(-1)[0].decode()
+    assert len(key) == 32
+    stop("victim")                          # the victim's request id, no key
+    stop("victim", "0" * 32)                # a guessed key
+    stop("", key[::-1])
+    rest = _read_until_final(q)
+    c.stop_stream()
+    c.close()
+    assert _reason(rest) == "length" and len(_ids_of([first] + rest)) == LONG
+    # the owner stops its own job
+    c, q, first = start("owner")
+    stop("", first.as_numpy("job_key").reshape(-1)[0].decode())
+    rest = _read_until_final(q)
+    c.stop_stream()
+    c.close()
+    assert _reason(rest) == "cancelled" and len(_ids_of([first] + rest)) < LONG
+    status, body = http_get(f"http://{engine_server.http_url}/v2/models/ensemble/config")
+    assert status == 200 and "job_key" not in {o["name"] for o in json.loads(body)["output"]}
+
+
+@integration
+def test_prompt_and_messages_limits(engine_server, good_request):
+    """A prompt over max_prompt_bytes is refused before it is tokenised; a deeply nested or
+    oversized messages_json is INVALID_ARG with a one-line message (no traceback, no paths)."""
+    import tritonclient.grpc as g
+    client = client_for(engine_server)
+    t0 = time.monotonic()
+    with pytest.raises(GenerationError, match=r"has 4200000 bytes; the server accepts at most 65536") as ei:
+        client.generate("hello " * 700_000, request_id="huge")
+    assert "huge" in str(ei.value) and time.monotonic() - t0 < 10
+
+    def messages_json(text: str, rid: str) -> GenerationError:
+        inp = g.InferInput("messages_json", [1], "BYTES")
+        inp.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+        with pytest.raises(GenerationError) as ei:
+            client.generate(model="ensemble", inputs=[inp], request_id=rid)
+        msg = str(ei.value)
+        assert rid in msg and "Traceback" not in msg and ".py" not in msg and "\n" not in msg.strip(), msg
+        return ei.value
+
+    assert "nested 20000 levels deep" in str(messages_json("[" * 20000 + "]" * 20000, "deep"))
+    big = json.dumps([{"role": "user", "content": "hello " * 20_000}])
+    assert "bytes; the server accepts at most 65536" in str(messages_json(big, "big"))
+    assert "not valid JSON" in str(messages_json('[{"role": ', "broken"))
+    good_request(client)

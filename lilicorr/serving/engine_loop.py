@@ -1,11 +1,11 @@
 """In-flight batching loop: one SpecEngine, one engine thread, every concurrent request.
 
 ``execute()`` of the decoupled Triton model only validates and `submit`s; this thread admits
-waiting jobs (``engine.add_request``), checks cancellations (``sink.is_cancelled()`` ->
-``engine.cancel(rid)``), runs ``engine.step()`` and streams each step's new tokens through the
-job's sink. Every job ends with exactly one final response (data, error, or an empty FINAL after
-a cancellation), so no client waits forever. Tests drive it with a real engine on a tiny target
-and a recording sink.
+waiting jobs (``engine.add_request``), checks cancellations (``sink.is_cancelled()`` or a stop
+with the job's secret key -> ``engine.cancel(rid)``) and the shutdown drain deadline, runs
+``engine.step()`` and streams each step's new tokens through the job's sink. Every job ends
+with exactly one final response (data, error, or an empty FINAL after a cancellation), so no
+client waits forever. Tests drive it with a real engine on a tiny target and a recording sink.
 
 The pattern is TensorRT-LLM's Python-backend ``tensorrt_llm`` model (engine + awaiter +
 cancellation threads), folded into one thread since our engine steps synchronously.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import queue
+import secrets
 import threading
 import time
 import traceback
@@ -55,6 +56,8 @@ class Job:
     events: int = 0
     done: bool = False
     nvtx: Any = None          # per-request NVTX range (lilicorr.profiling.request_range)
+    # secret per job: only whoever receives this job's responses can stop it (`cancel_job`)
+    key: str = dataclasses.field(default_factory=lambda: secrets.token_hex(16))
 
     def finish(self) -> None:
         """Mark the job answered and close its NVTX request range."""
@@ -78,6 +81,7 @@ class Job:
             "num_drafted": np.asarray([self.drafted], dtype=np.int32),
             "num_steps": np.asarray([self.steps], dtype=np.int32),
             "finish_reason": np.asarray([(reason or "").encode()], dtype=np.object_),
+            "job_key": np.asarray([self.key.encode()], dtype=np.object_),
         }
 
 
@@ -119,7 +123,8 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._last_cancel_check = 0.0
         self._stop_lock = threading.Lock()
-        self._stop_ids: set[str] = set()
+        self._stop_ids: set[str] = set()       # job keys to stop at the next check
+        self._drain_deadline: float | None = None   # time.monotonic() at which a drain ends every job
 
     # ---------------------------------------------------------------- public
     def start(self) -> "EngineLoop":
@@ -129,16 +134,30 @@ class EngineLoop:
         return self
 
     def submit(self, job: Job) -> None:
-        if not self._running.is_set():
-            job.sink.send_error(UNAVAILABLE, f"{job.label()}: the engine is shutting down")
+        if not self._running.is_set() or self._drain_deadline is not None:
+            job.finish()
+            self.stats.requests_failed += 1
+            job.sink.send_error(UNAVAILABLE, f"{job.label()}: the server is shutting down")
             return
         self._inbox.put(job)
 
-    def cancel_request_id(self, request_id: str) -> None:
-        """Cancel the waiting/active job(s) with this client request id (thread-safe, next step)."""
-        if request_id:
+    def cancel_job(self, key: str) -> None:
+        """Stop the waiting/active job whose secret `Job.key` this is (thread-safe, next check).
+        A key is only known to whoever receives that job's responses, so no client can stop a
+        request it did not send; an unknown key does nothing."""
+        if key:
             with self._stop_lock:
-                self._stop_ids.add(request_id)
+                self._stop_ids.add(key)
+
+    def begin_drain(self, deadline: float) -> None:
+        """Shutdown: refuse new jobs from now on, let the others run until `deadline`
+        (time.monotonic()), then end each with a final response whose finish_reason is "shutdown"."""
+        if self._drain_deadline is None or deadline < self._drain_deadline:
+            self._drain_deadline = deadline
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_deadline is not None
 
     def stop(self, timeout: float = 30.0) -> None:
         self._running.clear()
@@ -173,6 +192,7 @@ class EngineLoop:
                         continue
                 self._drain_inbox()
                 self._check_cancelled(force=False)
+                self._check_drain()
                 self._admit()
                 if self._active:
                     self._step()
@@ -220,16 +240,32 @@ class EngineLoop:
             return
         self._last_cancel_check = now
         for job in list(self._waiting):
-            stopped = job.request_id in stop_ids
+            stopped = job.key in stop_ids
             if stopped or self._is_cancelled(job):
                 self._waiting.remove(job)
                 self._finish_cancelled(job, with_data=stopped)
         for rid, job in list(self._active.items()):
-            stopped = job.request_id in stop_ids
+            stopped = job.key in stop_ids
             if stopped or self._is_cancelled(job):
                 del self._active[rid]
                 self._cancel_in_engine(job)
                 self._finish_cancelled(job, with_data=stopped)
+
+    def _check_drain(self) -> None:
+        """Past the drain deadline: free every job and end it with finish_reason "shutdown"."""
+        if self._drain_deadline is None or time.monotonic() < self._drain_deadline:
+            return
+        jobs = list(self._waiting) + list(self._active.values())
+        self._waiting.clear()
+        self._active.clear()
+        for job in jobs:
+            self._cancel_in_engine(job)
+            job.finish()
+            self.stats.requests_cancelled += 1
+            try:
+                job.sink.send(job.outputs([], True, "shutdown"), True)
+            except Exception:  # noqa: BLE001 - the client is gone; its sequence is freed anyway
+                self.log(f"{job.label()}: could not send the shutdown response: {traceback.format_exc()}")
 
     def _step(self) -> None:
         t0 = time.perf_counter()
@@ -305,7 +341,7 @@ class EngineLoop:
             self.log(f"{job.label()}: engine.cancel failed: {traceback.format_exc()}")
 
     def _finish_cancelled(self, job: Job, send: bool = True, with_data: bool = False) -> None:
-        """FINAL is still required after a cancellation. A job stopped by request id (its
+        """FINAL is still required after a cancellation. A job stopped by its key (its
         requester, e.g. an ensemble, is still listening) gets a last data response with
         finish_reason "cancelled"; a job whose client is gone gets an empty FINAL."""
         job.finish()

@@ -17,16 +17,34 @@ The generated Python-model configs additionally carry ``EXECUTION_ENV_PATH`` = t
 backend then runs ``source <venv>/bin/activate`` before exec'ing the stub), which keeps working
 when the server's own environment is not ours (e.g. a server started by hand from a shell).
 
-Shutdown: SIGTERM, then ``--exit-timeout-secs`` for in-flight requests, then SIGKILL of the
-server's process group (the stubs are in it). Shared-memory regions use a per-launch prefix so
-leftovers of a killed server can be found and removed without touching anybody else's.
+Control endpoints are closed: the model-repository, shared-memory, logging and trace APIs answer
+only requests carrying the header ``admin-key: <key>`` (HTTP) or the metadata
+``triton-grpc-protocol-admin-key: <key>`` (gRPC) (Triton's ``--http-restricted-api`` /
+``--grpc-restricted-protocol``). The key is the operator's
+``admin_key`` or, by default, a random per-launch secret that only this launcher uses (to drain).
+Both appear in tritonserver's command line, so local users who can read ``/proc`` can see them.
+
+Shutdown (`TritonServer.stop`) drains: it writes ``protocol.SHUTDOWN_FILE`` with a deadline into
+each model directory (the ``lilicorr`` model then refuses new requests and ends running ones at the
+deadline with finish_reason "shutdown"), unloads the ensembles (Triton refuses new ensemble
+requests and waits for the running ones), then every other model, and only then sends SIGTERM;
+after ``--exit-timeout-secs`` and a margin the server's process group (the stubs are in it) is
+SIGKILLed. The server never outlives its launcher: it gets a parent-death signal (SIGKILL,
+``prctl(PR_SET_PDEATHSIG)``: when the *thread* that started it exits, so start it from a thread
+that lives as long as the server), and a small reaper process kills its process group and removes
+its shared memory and temp folder when the launcher dies without stopping it. Shared-memory
+regions and temp folders carry the launcher's pid; those of dead launchers are removed at start.
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import glob
+import ipaddress
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -43,6 +61,13 @@ from pathlib import Path
 from typing import Sequence
 
 SHM_BASE_PREFIX = "triton_python_backend_shm_region_"
+TMP_PREFIX = "lilicorr-triton-"
+ADMIN_HEADER = "admin-key"                                 # HTTP header
+GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # gRPC metadata key (Triton adds the prefix)
+# APIs that only requests with the admin header may use (Triton's restricted-API categories)
+RESTRICTED_APIS = ("model-repository", "shared-memory", "logging", "trace")
+SHUTDOWN_FILE = "shutdown.json"      # == protocol.SHUTDOWN_FILE (launcher stays import-free)
+PR_SET_PDEATHSIG = 1
 
 
 class ServerStartError(RuntimeError):
@@ -174,6 +199,102 @@ def leftover_shm(prefix: str = SHM_BASE_PREFIX) -> list[str]:
     return sorted(glob.glob(f"/dev/shm/{prefix}*"))
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_leftovers() -> list[str]:
+    """Shared-memory regions and temp folders of launchers that died without cleaning up (their
+    names carry the launcher's pid); returns what was removed."""
+    removed = []
+    shm_re = f"{SHM_BASE_PREFIX}lilicorr_"
+    for path in leftover_shm(shm_re):
+        pid = Path(path).name[len(shm_re):].split("_", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(path)
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TMP_PREFIX}*")):
+        pid = Path(path).name[len(TMP_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with contextlib.closing(socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                          socket.SOCK_STREAM)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _die_with_parent(parent: int) -> None:
+    """preexec_fn of tritonserver: SIGKILL when the launching thread dies (Linux prctl)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:      # the launcher died before prctl took effect
+        os._exit(1)
+
+
+# The reaper: a tiny process in its own session that outlives a launcher killed without stop():
+# it waits for EOF on stdin (the launcher's end of the pipe closes when the launcher dies) and, unless
+# the launcher said "done" first, kills the server's process group and removes its leftovers.
+REAPER = r"""
+import glob, os, shutil, signal, sys, time
+pgid, shm_prefix, workdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+data = sys.stdin.read()
+if "done" in data:
+    sys.exit(0)
+def members():
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            text = open(stat).read()
+        except OSError:
+            continue
+        f = text[text.rfind(")") + 2:].split()
+        if len(f) > 2 and f[0] != "Z" and int(f[2]) == pgid:
+            out.append(int(stat.split("/")[2]))
+    return out
+deadline = time.monotonic() + 10
+while members() and time.monotonic() < deadline:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except OSError:
+        break
+    time.sleep(0.1)
+for path in glob.glob("/dev/shm/" + shm_prefix + "*"):
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+shutil.rmtree(workdir, ignore_errors=True)
+"""
+
+
 def live_group_members(pgid: int) -> list[int]:
     """Pids of non-zombie processes in process group `pgid` (Linux /proc)."""
     out = []
@@ -204,8 +325,13 @@ class TritonServer:
                  log_file: str | os.PathLike | None = None, log_verbose: int = 0,
                  startup_timeout: float = 180.0, exit_timeout: int = 10,
                  stub_timeout: int = 120, extra_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, models: Sequence[str] | None = None):
+                 env: dict[str, str] | None = None, models: Sequence[str] | None = None,
+                 admin_key: str | None = None, drain_timeout: float = 30.0):
         self.model_repository = Path(model_repository).resolve()
+        # operators' key for the control APIs; without one a per-launch secret only we know
+        self.admin_key = admin_key or secrets.token_urlsafe(24)
+        self.admin_key_given = bool(admin_key)
+        self.drain_timeout = drain_timeout
         self.host = host
         self.binary = binary or find_tritonserver()
         self._ports = (grpc_port, http_port, metrics_port)
@@ -225,6 +351,7 @@ class TritonServer:
         self.last_log = ""
         self.abort: "threading.Event | None" = None    # set it to give up waiting for readiness
         self._log_fh = None
+        self._reaper: subprocess.Popen | None = None
 
     # ------------------------------------------------------------------ urls
     @property
@@ -256,8 +383,11 @@ class TritonServer:
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             f"--backend-config=python,stub-timeout-seconds={self.stub_timeout}",
             f"--log-verbose={self.log_verbose}",
+            # control APIs only with the admin header (stop() uses it to drain)
+            f"--http-restricted-api={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={','.join(RESTRICTED_APIS)}:{ADMIN_HEADER}={self.admin_key}",
         ]
-        # explicit mode: stop() drains ensembles through the repository API before SIGTERM
+        # explicit mode: stop() drains ensembles through the (restricted) repository API before SIGTERM
         cmd.append("--model-control-mode=explicit")
         cmd += [f"--load-model={m}" for m in (self.models or ["*"])]
         return cmd + self.extra_args
@@ -267,6 +397,19 @@ class TritonServer:
         meantime ("already in use") are re-picked, up to three attempts."""
         if self.proc is not None:
             raise RuntimeError("server already started")
+        if not is_loopback(self.host) and not self.admin_key_given:
+            print(f"WARNING: tritonserver will listen on {self.host}, beyond loopback, without an admin key: "
+                  "inference is open to the network (the control APIs stay closed; pass an admin key to "
+                  "use them, and put an authenticating proxy in front for anything else)",
+                  file=sys.stderr, flush=True)
+        remove_stale_leftovers()
+        for name, port in zip(("grpc", "http", "metrics"), self._ports):
+            if port and port_in_use(self.host, port):
+                raise ServerStartError(
+                    f"{name} port {port} on {self.host} is already in use (another server, or one left "
+                    "running by a launcher that was killed?); stop it or choose another port")
+        for f in self.model_repository.glob(f"*/{SHUTDOWN_FILE}"):   # a previous run's drain
+            f.unlink()
         auto_ports = not all(self._ports)
         for attempt in range(3):
             try:
@@ -277,7 +420,7 @@ class TritonServer:
         raise AssertionError("unreachable")
 
     def _start_once(self) -> "TritonServer":
-        self.workdir = Path(tempfile.mkdtemp(prefix="lilicorr-triton-"))
+        self.workdir = Path(tempfile.mkdtemp(prefix=f"{TMP_PREFIX}{os.getpid()}-"))
         g, h, m = self._ports
         auto = _free_ports(3, self.host)
         self.grpc_port, self.http_port, self.metrics_port = g or auto[0], h or auto[1], m or auto[2]
@@ -290,9 +433,13 @@ class TritonServer:
         env = server_env(self._env)
         # cwd = our temp folder: the stub puts '' first on sys.path, so a repo checkout as cwd
         # would mask whether the venv's (editable) install is really what the stub imports
+        parent = os.getpid()
         self.proc = subprocess.Popen(self.command(), cwd=self.workdir, env=env, stdout=stdout,
                                      stderr=subprocess.STDOUT if stdout else None,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
+        self._reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(self.proc.pid), self.shm_prefix,
+                                         str(self.workdir)], stdin=subprocess.PIPE, start_new_session=True,
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self.wait_ready()
         except BaseException:
@@ -339,11 +486,13 @@ class TritonServer:
             return "(server log not captured)"
         return "\n".join(text.splitlines()[-n:])
 
-    def _http_post(self, path: str, body: dict | None = None, timeout: float = 10.0) -> tuple[int, str]:
-        import json
+    def _http_post(self, path: str, body: dict | None = None, timeout: float = 10.0,
+                   admin: bool = False) -> tuple[int, str]:
         data = json.dumps(body or {}).encode()
-        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method="POST",
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if admin:
+            headers[ADMIN_HEADER] = self.admin_key
+        req = urllib.request.Request(f"http://{self.http_url}{path}", data=data, method="POST", headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, r.read().decode()
@@ -360,41 +509,63 @@ class TritonServer:
                 out.append(cfg.parent.name)
         return out
 
-    def drain(self, timeout: float | None = None) -> bool:
-        """Unload the ensembles and wait until their in-flight requests are done.
+    def model_states(self) -> dict[str, str] | None:
+        """{model: state} from the (restricted) repository index; None when it cannot be read."""
+        status, body = self._http_post("/v2/repository/index", {}, timeout=5.0, admin=True)
+        if status != 200:
+            return None
+        try:
+            return {e.get("name"): e.get("state", "") for e in json.loads(body)}
+        except ValueError:
+            return None
 
-        Why: on SIGTERM tritonserver 2.51 stops accepting requests, including the internal ones an
-        ensemble creates for its next step, so an ensemble streaming from a decoupled step can
-        never finish and the server hits its exit timeout. Unloading the ensembles first lets
-        their in-flight streams complete (new ensemble requests are refused meanwhile).
-        """
-        import json
-        names = self.ensemble_models()
-        if not names or self.proc is None or self.proc.poll() is not None:
-            return True
+    def _unload(self, names: Sequence[str], deadline: float) -> bool:
         for m in names:
-            self._http_post(f"/v2/repository/models/{m}/unload", timeout=5.0)
-        deadline = time.monotonic() + (timeout if timeout is not None else self.exit_timeout)
+            self._http_post(f"/v2/repository/models/{m}/unload", timeout=5.0, admin=True)
         while time.monotonic() < deadline:
-            status, body = self._http_post("/v2/repository/index", {"ready": False}, timeout=5.0)
-            if status != 200:
+            states = self.model_states()
+            if states is None:
                 return False
-            try:
-                states = {e.get("name"): e.get("state", "") for e in json.loads(body)}
-            except ValueError:
-                return False
-            if all(states.get(m, "UNAVAILABLE") != "READY" and states.get(m) != "UNLOADING" for m in names):
+            if all(states.get(m, "UNAVAILABLE") not in ("READY", "UNLOADING", "LOADING") for m in names):
                 return True
             time.sleep(0.1)
         return False
 
-    def stop(self, timeout: float | None = None) -> int | None:
-        """Drain ensembles, SIGTERM, wait (exit timeout + margin), SIGKILL the process group;
-        remove our shared-memory regions and temp dirs."""
+    def begin_shutdown(self, drain_timeout: float | None = None) -> float:
+        """Write the shutdown file (wall-clock deadline) into every model directory; returns the
+        deadline as time.monotonic()."""
+        wait = self.drain_timeout if drain_timeout is None else drain_timeout
+        doc = json.dumps({"deadline": time.time() + wait})
+        for cfg in self.model_repository.glob("*/config.pbtxt"):
+            with contextlib.suppress(OSError):
+                (cfg.parent / SHUTDOWN_FILE).write_text(doc)
+        return time.monotonic() + wait
+
+    def drain(self, timeout: float | None = None) -> bool:
+        """Graceful shutdown before SIGTERM: announce the drain deadline to the models, unload the
+        ensembles (Triton refuses new ensemble requests and waits for the running ones, which the
+        engine ends by the deadline), then unload every other model. True when all unloaded.
+
+        Why not SIGTERM alone: tritonserver 2.51 then refuses the internal requests an ensemble
+        makes for its next step, so a streaming ensemble request can never finish.
+        """
+        if self.proc is None or self.proc.poll() is not None:
+            return True
+        deadline = self.begin_shutdown(timeout)
+        grace = 5.0                          # the final responses still pass through postprocessing
+        ok = self._unload(self.ensemble_models(), deadline + grace)
+        states = self.model_states() or {}
+        rest = [m for m, st in states.items() if st in ("READY", "LOADING")]
+        return self._unload(rest, max(deadline, time.monotonic()) + grace) and ok
+
+    def stop(self, timeout: float | None = None, drain_timeout: float | None = None) -> int | None:
+        """Drain (see `drain`; ``drain_timeout`` defaults to the constructor's), SIGTERM, wait (exit
+        timeout + margin), SIGKILL the process group; remove our shared-memory regions and temp
+        dirs. Returns tritonserver's exit code (0: it exited cleanly)."""
         rc = None
         if self.proc is not None and self.proc.poll() is None:
             try:
-                self.drain()
+                self.drain(drain_timeout)
             except Exception:  # noqa: BLE001 - draining is best effort; SIGTERM follows anyway
                 pass
         if self.proc is not None:
@@ -425,6 +596,13 @@ class TritonServer:
         for path in leftover_shm(self.shm_prefix):
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        if self._reaper is not None:        # nothing left to reap: tell it so and let it go
+            with contextlib.suppress(OSError, ValueError):
+                self._reaper.stdin.write(b"done\n")
+                self._reaper.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._reaper.wait(10)
+            self._reaper = None
         if self.workdir is not None:
             if self.log_path is not None and self.log_path.parent == self.workdir:
                 # the temp dir goes away: keep the log text readable (log_text / log_tail)

@@ -22,8 +22,14 @@ MODEL_ENSEMBLE = "ensemble"
 
 KNOBS = ("max_tokens", "temperature", "seed", "decode_rule", "stream")
 ENGINE_OUTPUTS = ("output_ids", "context_ids", "is_final", "num_accepted", "num_drafted",
-                  "num_steps", "finish_reason")
+                  "num_steps", "finish_reason", "job_key")
 CONTEXT_WINDOW = 8       # previously emitted tokens sent along for stateless detokenization
+DEFAULT_MAX_PROMPT_BYTES = 65536   # text_input / messages_json bytes, checked before tokenising
+MAX_JSON_DEPTH = 16      # nesting depth of messages_json (a chat list needs 2)
+# written by the launcher into each model directory to start the shutdown drain:
+# {"deadline": <unix time>}; the lilicorr model then refuses new requests and ends running ones
+# at the deadline with finish_reason "shutdown"
+SHUTDOWN_FILE = "shutdown.json"
 
 
 class RequestError(ValueError):
@@ -121,6 +127,40 @@ def _as_bool(name: str, v: Any) -> bool:
     if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
         return v.strip().lower() in ("true", "1", "yes")
     raise RequestError(f"{name} must be a boolean, got {v!r}")
+
+
+def json_depth(text: str) -> int:
+    """Deepest nesting of JSON arrays/objects in `text` (strings skipped), without parsing it."""
+    depth = deepest = 0
+    in_str = esc = False
+    for ch in text:
+        if in_str:
+            if esc:
+                esc = False
+            elif ch == "\\":
+                esc = True
+            elif ch == '"':
+                in_str = False
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def parse_messages_json(text: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """json.loads for a client's messages_json, with the nesting depth checked first (a deeply
+    nested document would otherwise exhaust the parser's recursion)."""
+    d = json_depth(text)
+    if d > max_depth:
+        raise RequestError(f"messages_json is nested {d} levels deep; at most {max_depth} are accepted")
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise RequestError(f"messages_json is not valid JSON: {str(e)[:200]}") from None
 
 
 def parse_generation_params(tensors: Mapping[str, Any], parameters: Mapping[str, Any],

@@ -9,6 +9,11 @@ Templates live in ``lilicorr/serving/templates/<model>/`` (``config.pbtxt`` with
 placeholders, ``1/model.py``). Everything the server needs to know about the engine goes through
 `read_engine_manifest` (one place to adapt when the manifest format changes) and reaches the
 models as config ``parameters``; the ``lilicorr`` model builds its engine with `open_engine`.
+
+The configs carry no absolute paths (``/v2/models/<m>/config`` is readable by every client): each
+Python model directory holds symlinks ``target``, ``engine``, ``ckpt`` and ``pyenv`` (the venv),
+and the parameters name them relative to the model directory (``EXECUTION_ENV_PATH`` as
+``$$TRITON_MODEL_DIRECTORY/pyenv``, which the Python backend expands).
 """
 from __future__ import annotations
 
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .launcher import venv_root
-from .protocol import MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
+from .protocol import DEFAULT_MAX_PROMPT_BYTES, MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MODELS = (MODEL_PRE, MODEL_ENGINE, MODEL_POST, MODEL_ENSEMBLE)
@@ -45,40 +50,68 @@ class EngineSpec:
 
 
 def _resolve(p: str | os.PathLike | None, base: Path) -> Path | None:
+    """A manifest path: absolute, or relative to the engine directory (the manifest's folder)."""
     if p is None or p == "":
         return None
     path = Path(p).expanduser()
-    if path.is_absolute():
-        return path
-    for cand in (base / path, Path.cwd() / path):
-        if cand.exists():
-            return cand.resolve()
-    return (base / path).resolve()
+    return path if path.is_absolute() else (base / path).resolve()
 
 
-def read_engine_manifest(engine_dir: str | os.PathLike) -> EngineSpec:
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim")
+
+
+def _check_target_dir(target_dir: Path, manifest: dict, engine_dir: Path, how: str) -> None:
+    """The target folder exists and looks like the one the engine was built for (config shape
+    fields and tokenizer hash; the stub checks the weights' fingerprint when it loads)."""
+    from lilicorr.engine_dir import EngineDirError, tokenizer_sha256
+    from lilicorr.target import TargetConfig
+
+    if not (target_dir / "config.json").is_file():
+        raise EngineDirError(
+            f"engine {engine_dir.name}: target folder {target_dir} ({how}) does not exist or has no "
+            "config.json; pass --target DIR with the HF folder the engine was built for")
+    want = (manifest.get("target") or {}).get("config") or {}
+    cfg = TargetConfig.from_hf_dir(target_dir)
+    diff = [k for k in SHAPE_FIELDS if k in want and getattr(cfg, k, want[k]) != want[k]]
+    if diff:
+        raise EngineDirError(f"engine {engine_dir.name} was built for another target than {target_dir}: "
+                             + ", ".join(f"{k} {want[k]!r} vs {getattr(cfg, k)!r}" for k in diff[:4]))
+    want_tok = (manifest.get("target") or {}).get("tokenizer_sha256")
+    if want_tok and tokenizer_sha256(target_dir) not in (None, want_tok):
+        raise EngineDirError(f"engine {engine_dir.name}: the tokenizer in {target_dir} differs from the one "
+                             "the engine was built with (tokenizer_sha256)")
+
+
+def read_engine_manifest(engine_dir: str | os.PathLike, target: str | os.PathLike | None = None,
+                         check_files: bool = True) -> EngineSpec:
     """Read ``<engine_dir>/manifest.json`` (written by convert/build_engine.py).
 
-    Required: ``target_dir`` (absolute, or relative to the engine dir). Used when present:
-    ``ckpt`` (relative like target_dir), ``backend`` (the draft backend, e.g. "onnxruntime"),
-    ``block_size``, ``top_k``.
+    The manifest is checked by `lilicorr.engine_dir.read_manifest`: format, every listed file's
+    size and sha256 (``check_files``; a mismatch names the file), and its fields against the graph.
+    The target is ``target`` when given (``--target``: an engine directory copied to another
+    machine or folder), else the manifest's ``target_dir`` (absolute, or relative to the engine
+    directory). Raises `EngineDirError` with a one-line message.
     """
+    from lilicorr.engine_dir import EngineDirError, read_manifest
+
     engine_dir = Path(engine_dir).expanduser().resolve()
-    mpath = engine_dir / "manifest.json"
-    if not mpath.is_file():
-        raise FileNotFoundError(f"{mpath} not found: --engine must be a folder made by convert/build_engine.py")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except ValueError as e:
-        raise ValueError(f"{mpath} is not valid JSON: {e}") from None
-    if "target_dir" not in manifest:
-        raise ValueError(f"{mpath}: no 'target_dir' entry")
-    target_dir = _resolve(manifest["target_dir"], engine_dir)
+    manifest = read_manifest(engine_dir, check_files=check_files)
+    if target is not None:
+        target_dir = Path(target).expanduser().resolve()
+        how = "--target"
+    else:
+        if not manifest.get("target_dir"):
+            raise EngineDirError(f"{engine_dir / 'manifest.json'}: no 'target_dir' entry; pass --target DIR")
+        target_dir = _resolve(manifest["target_dir"], engine_dir)
+        how = f"manifest target_dir {manifest['target_dir']!r}"
+    _check_target_dir(target_dir, manifest, engine_dir, how)
     ckpt = manifest.get("ckpt") or manifest.get("ckpt_dir")
+    ckpt_dir = _resolve(ckpt, engine_dir) if isinstance(ckpt, (str, os.PathLike)) else None
     return EngineSpec(
         target_dir=target_dir,
         engine_dir=engine_dir,
-        ckpt_dir=_resolve(ckpt, engine_dir) if isinstance(ckpt, (str, os.PathLike)) else None,
+        ckpt_dir=ckpt_dir if ckpt_dir is not None and ckpt_dir.is_dir() else None,
         draft_backend=str(manifest.get("backend") or manifest.get("draft_backend") or "onnxruntime"),
         block_size=manifest.get("block_size"),
         top_k=manifest.get("top_k"),
@@ -94,7 +127,8 @@ class ServeOptions:
     default_max_tokens: int = 128
     default_decode_rule: str = "lilicorr"
     device: str = "auto"                # "auto" -> cuda if available else cpu
-    dtype: str = "float32"
+    dtype: str = ""                     # target dtype; "" -> the engine manifest's serving dtype, else "auto"
+    draft_length: str = ""              # "auto", N, or "" -> the manifest's serving choice, else the whole block
     cancel_check_ms: int = 20
     pre_instances: int = 1
     post_instances: int = 1
@@ -102,15 +136,22 @@ class ServeOptions:
     draft_backend: str | None = None    # override the manifest's backend
     chat_template: bool = True          # preprocessing applies the chat template to text_input
     profile: bool = False               # time the Table 3 stages in the engine thread (-> /metrics)
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES   # text_input / messages_json, before tokenising
     extra_parameters: dict = dataclasses.field(default_factory=dict)   # more lilicorr-model parameters
+
+
+# symlinks in each Python model directory (the configs name them, never an absolute path)
+LINKS = {"target_dir": "target", "engine_dir": "engine", "ckpt_dir": "ckpt"}
+ENV_LINK = "pyenv"
 
 
 def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
     env = venv_root()
     return {
-        "target_dir": str(spec.target_dir),
-        "engine_dir": str(spec.engine_dir or ""),
-        "ckpt_dir": str(spec.ckpt_dir or ""),
+        "target_dir": LINKS["target_dir"],
+        "engine_dir": LINKS["engine_dir"] if spec.engine_dir else "",
+        "ckpt_dir": LINKS["ckpt_dir"] if spec.ckpt_dir else "",
+        "max_prompt_bytes": str(opts.max_prompt_bytes),
         "draft_backend": opts.draft_backend or spec.draft_backend,
         "max_batch": str(opts.max_batch),
         "max_seq_len": str(opts.max_seq_len),
@@ -118,7 +159,8 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "default_max_tokens": str(opts.default_max_tokens),
         "default_decode_rule": opts.default_decode_rule,
         "device": opts.device,
-        "dtype": opts.dtype,
+        "dtype": opts.dtype or ((spec.manifest or {}).get("serving") or {}).get("dtype") or "auto",
+        "draft_length": str(opts.draft_length or ((spec.manifest or {}).get("serving") or {}).get("draft_length") or ""),
         "cancel_check_ms": str(opts.cancel_check_ms),
         "pre_instances": str(opts.pre_instances),
         "post_instances": str(opts.post_instances),
@@ -129,7 +171,8 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
             f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
             for k, v in opts.extra_parameters.items()),
         # the stub sources <venv>/bin/activate before it starts (see launcher.py)
-        "execution_env": (f'parameters: {{ key: "EXECUTION_ENV_PATH" value: {{ string_value: "{env}" }} }}'
+        "execution_env": ('parameters: { key: "EXECUTION_ENV_PATH" value: '
+                          f'{{ string_value: "$$TRITON_MODEL_DIRECTORY/{ENV_LINK}" }} }}'
                           if env is not None else ""),
     }
 
@@ -147,17 +190,39 @@ def generate_repository(spec: EngineSpec, out_dir: str | os.PathLike, opts: Serv
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     variables = template_vars(spec, opts)
+    links = {LINKS["target_dir"]: spec.target_dir, LINKS["engine_dir"]: spec.engine_dir,
+             LINKS["ckpt_dir"]: spec.ckpt_dir, ENV_LINK: venv_root()}
     for model in models:
         src = TEMPLATES / model
         dst = out / model
-        if dst.exists():
-            shutil.rmtree(dst)
+        if dst.is_symlink() or dst.is_file():
+            dst.unlink()
+        elif dst.exists():
+            shutil.rmtree(dst)        # symlinks inside are removed, never followed
         (dst / "1").mkdir(parents=True)
         cfg = render_template((src / "config.pbtxt").read_text(), variables)
         (dst / "config.pbtxt").write_text(cfg)
+        python_model = False
         for f in (src / "1").glob("*.py") if (src / "1").is_dir() else ():
             shutil.copy2(f, dst / "1" / f.name)
+            python_model = True
+        if python_model:
+            for name, target in links.items():
+                if target is not None:
+                    os.symlink(Path(target).resolve(), dst / name)
     return out
+
+
+def model_path(params: Mapping[str, str], key: str, base_dir: str | os.PathLike | None) -> str:
+    """A path parameter of a model config: relative ones are resolved against the model directory
+    (``args["model_repository"]`` in the stub) and their symlinks followed."""
+    value = params.get(key) or ""
+    if not value:
+        return ""
+    path = Path(value)
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    return os.path.realpath(path)
 
 
 def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
@@ -171,8 +236,9 @@ def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def open_engine(params: Mapping[str, str]):
-    """Build the SpecEngine described by the ``lilicorr`` model's parameters.
+def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = None):
+    """Build the SpecEngine described by the ``lilicorr`` model's parameters (paths relative to
+    ``base_dir``, the model directory).
 
     Returns (engine, limits). Runs inside the Triton stub (and in tests without Triton).
     """
@@ -194,13 +260,15 @@ def open_engine(params: Mapping[str, str]):
     n_threads = int(params.get("num_threads") or 0)
     if n_threads > 0:
         torch.set_num_threads(n_threads)
-    dtype = getattr(torch, params.get("dtype") or "float32")
-    target_dir = params["target_dir"]
-    kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype)
+    from lilicorr.target import resolve_dtype
+    dtype = resolve_dtype(params.get("dtype") or "auto", device)
+    target_dir = model_path(params, "target_dir", base_dir)
+    kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
+                                  draft_length=params.get("draft_length") or None)
     if params.get("engine_dir"):
-        kwargs["engine_dir"] = params["engine_dir"]           # the engine names its checkpoint
+        kwargs["engine_dir"] = model_path(params, "engine_dir", base_dir)   # the engine names its checkpoint
     elif params.get("ckpt_dir"):
-        kwargs["ckpt_dir"] = params["ckpt_dir"]
+        kwargs["ckpt_dir"] = model_path(params, "ckpt_dir", base_dir)
     backend = params.get("draft_backend") or ""
     if backend.startswith("tensorrt") and not device.startswith("cuda"):
         backend = "onnxruntime"   # every engine dir carries validated ONNX graphs (engines/README.md)

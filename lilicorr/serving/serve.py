@@ -1,11 +1,18 @@
 """`python deploy/serve.py --engine engines/NAME`: generate the model repository and run tritonserver.
 
-Runs until SIGTERM/SIGINT, then stops the server gracefully (in-flight requests get
-``--exit-timeout-secs``), removes its shared-memory regions and temporary folders, and exits 0.
+Runs until SIGTERM/SIGINT, then drains: new requests are refused, running ones continue for up to
+``--drain-timeout`` seconds and then end with finish_reason "shutdown"; the server's
+shared-memory regions and temporary folders are removed. Exits 0 only when tritonserver itself
+exited cleanly (1 otherwise; 2 for bad arguments or an unusable engine directory).
+
+The control APIs (model repository, shared memory, logging, trace) need the header
+``admin-key: KEY``; KEY is ``--admin-key`` (or $LILICORR_ADMIN_KEY), else a random secret of
+this launch, so nobody can load, unload or reconfigure models through the network.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import tempfile
@@ -13,6 +20,7 @@ import threading
 from pathlib import Path
 
 from .launcher import ServerStartError, TritonServer, find_tritonserver
+from .protocol import DEFAULT_MAX_PROMPT_BYTES
 from .repository import EngineSpec, ServeOptions, generate_repository, read_engine_manifest
 
 
@@ -20,7 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_argument_group("what to serve (an engine dir, or a target + checkpoint)")
     src.add_argument("--engine", help="engine directory made by convert/build_engine.py (has manifest.json)")
-    src.add_argument("--target", help="HF target folder (instead of --engine)")
+    src.add_argument("--target", help="HF target folder: instead of --engine, or with --engine the folder the "
+                                      "engine was built for (e.g. after copying the engine elsewhere)")
     src.add_argument("--ckpt", help="drafter+head checkpoint folder (with --target)")
     src.add_argument("--untrained-seed", type=int, default=None,
                      help="with --target and no --ckpt: an untrained drafter+head (smoke tests only)")
@@ -31,11 +40,17 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--grpc-port", type=int, default=8001)
     net.add_argument("--http-port", type=int, default=8000)
     net.add_argument("--metrics-port", type=int, default=8002)
+    net.add_argument("--admin-key", default=os.environ.get("LILICORR_ADMIN_KEY") or None,
+                     help="opens the control APIs (model repository, shared memory, logging, trace) to "
+                          "requests with the header 'admin-key: KEY' (default $LILICORR_ADMIN_KEY; without "
+                          "one they are closed to every client)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-batch", type=int, default=32, help="concurrent sequences in the engine")
     eng.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
     eng.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens a request may ask")
     eng.add_argument("--default-max-tokens", type=int, default=128)
+    eng.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
+                     help="largest text_input / messages_json in bytes, refused before tokenising")
     eng.add_argument("--default-rule", default="lilicorr", choices=["lilicorr", "viterbi", "argmax", "ar"])
     eng.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     eng.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
@@ -49,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tritonserver", choices=["auto", "wheel", "system"], default="auto",
                      help="which binary: the nvidia-pytriton wheel's, or `tritonserver` on PATH (NGC)")
     srv.add_argument("--log-verbose", type=int, default=0)
-    srv.add_argument("--exit-timeout", type=int, default=10, help="seconds in-flight requests get at shutdown")
+    srv.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="at SIGTERM/SIGINT: seconds running requests may continue before they end with "
+                          "finish_reason 'shutdown' (new requests are refused at once)")
+    srv.add_argument("--exit-timeout", type=int, default=10,
+                     help="tritonserver's own --exit-timeout-secs after the drain")
     srv.add_argument("--startup-timeout", type=float, default=600.0)
     srv.add_argument("--print-repo", action="store_true", help="only generate the repository and print its path")
     return p
@@ -57,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def spec_from_args(args: argparse.Namespace) -> EngineSpec:
     if args.engine:
-        return read_engine_manifest(args.engine)
+        return read_engine_manifest(args.engine, target=args.target)
     if not args.target:
         raise SystemExit("serve: pass --engine DIR (or --target DIR [--ckpt DIR])")
     return EngineSpec(target_dir=Path(args.target).resolve(),
@@ -76,12 +95,17 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
                         num_threads=args.num_threads, draft_backend=args.draft_backend,
                         chat_template=not args.no_chat_template, profile=args.profile,
-                        extra_parameters=extra)
+                        max_prompt_bytes=args.max_prompt_bytes, extra_parameters=extra)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    spec = spec_from_args(args)
+    from lilicorr.engine_dir import EngineDirError
+    try:
+        spec = spec_from_args(args)
+    except (EngineDirError, FileNotFoundError, ValueError) as e:   # one line, no traceback
+        print(f"serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     opts = options_from_args(args)
     tmp = None
     if args.repo:
@@ -111,16 +135,18 @@ def main(argv: list[str] | None = None) -> int:
         server = TritonServer(repo_dir, host=args.host, grpc_port=args.grpc_port, http_port=args.http_port,
                               metrics_port=args.metrics_port, binary=binary, log_file="-",
                               log_verbose=args.log_verbose, startup_timeout=args.startup_timeout,
-                              exit_timeout=args.exit_timeout)
+                              exit_timeout=args.exit_timeout, admin_key=args.admin_key,
+                              drain_timeout=args.drain_timeout)
         server.abort = stop
         try:
             try:
                 server.start()
-            except ServerStartError:
+            except ServerStartError as e:
                 if stop.is_set():
                     print("[serve] interrupted during startup", flush=True)
                     return 0
-                raise
+                print(f"serve: error: {e}", file=sys.stderr, flush=True)
+                return 1
             print(f"[serve] ready: grpc {server.grpc_url}  http {server.http_url}  metrics {server.metrics_url}",
                   flush=True)
             while not stop.wait(0.5):
@@ -128,11 +154,12 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[serve] tritonserver exited unexpectedly (code "
                           f"{server.proc.returncode if server.proc else None})", file=sys.stderr, flush=True)
                     return 1
-            print(f"[serve] signal {received[0] if received else '?'}: shutting down", flush=True)
+            print(f"[serve] signal {received[0] if received else '?'}: draining (up to "
+                  f"{args.drain_timeout:g} s), then shutting down", flush=True)
         finally:
             rc = server.stop()
         print(f"[serve] stopped (tritonserver exit code {rc})", flush=True)
-        return 0
+        return 0 if rc == 0 else 1
     finally:
         if tmp is not None:
             tmp.cleanup()

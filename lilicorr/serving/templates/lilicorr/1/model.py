@@ -4,23 +4,30 @@ execute() validates each request and hands it to the engine thread (lilicorr.ser
 which batches every active request into engine.step() calls and streams each step's new tokens
 through the request's response sender. A FINAL flag always closes a request: with its last data,
 with an INVALID_ARG/INTERNAL error (the message names the request id), or empty after the client
-cancelled (sender.is_cancelled() -> engine.cancel(rid)), or after a `stop=true` request with the
-same request id (how postprocessing cancels through the ensemble: Triton 2.51 does not propagate a
-client's cancellation to an ensemble step that is already running).
+cancelled (sender.is_cancelled() -> engine.cancel(rid)), or after a `stop=true` request carrying
+the job's secret `job_key` (an output of every response, so only the receiver of a request's
+responses can stop it; how postprocessing cancels through the ensemble: Triton 2.51 does not
+propagate a client's cancellation to an ensemble step that is already running).
+
+Shutdown drain: the launcher writes `protocol.SHUTDOWN_FILE` (a wall-clock deadline) into this
+model's directory; from then on new requests get UNAVAILABLE, running ones continue until the
+deadline and then end with finish_reason "shutdown".
 
 Outputs per response: output_ids (new tokens; all tokens when stream=false), context_ids (a
 window of earlier tokens, for the detokenizer), is_final, cumulative num_accepted (incl. bonus),
 num_drafted and num_steps (verify steps), finish_reason ("" until the end).
 """
 import json
+import os
 import threading
+import time
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from lilicorr.serving.engine_loop import EngineLoop, Job
-from lilicorr.serving.protocol import (KNOBS, RequestError, fit_params, parse_generation_params,
-                                       parse_parameters, validate_prompt_ids)
+from lilicorr.serving.protocol import (KNOBS, SHUTDOWN_FILE, RequestError, fit_params,
+                                       parse_generation_params, parse_parameters, validate_prompt_ids)
 from lilicorr.serving.repository import model_parameters, open_engine
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -130,7 +137,7 @@ class TritonPythonModel:
         if not pb_utils.using_decoupled_model_transaction_policy(cfg):
             raise pb_utils.TritonModelException("the lilicorr model must be decoupled (model_transaction_policy)")
         params = model_parameters(cfg)
-        self.engine, self.limits = open_engine(params)
+        self.engine, self.limits = open_engine(params, base_dir=args["model_repository"])
         self.metrics = _Metrics()
         timer = None
         if params.get("profile", "").lower() == "true":
@@ -153,6 +160,11 @@ class TritonPythonModel:
             stop_ids=self.limits.stop_ids,
             timer=timer,
         ).start()
+        self._closing = threading.Event()
+        self._watcher = threading.Thread(target=self._watch_shutdown, name="lilicorr-shutdown-watch",
+                                         args=(os.path.join(args["model_repository"], SHUTDOWN_FILE),),
+                                         daemon=True)
+        self._watcher.start()
         import sys
 
         import lilicorr
@@ -188,7 +200,10 @@ class TritonPythonModel:
             sink = SenderSink(request.get_response_sender())
             stop = pb_utils.get_input_tensor_by_name(request, "stop")
             if stop is not None and bool(stop.as_numpy().reshape(-1)[0]):
-                self.loop.cancel_request_id(request.request_id())
+                key = pb_utils.get_input_tensor_by_name(request, "job_key")
+                if key is not None and key.as_numpy().size == 1:
+                    k = key.as_numpy().reshape(-1)[0]
+                    self.loop.cancel_job(k.decode("utf-8", "replace") if isinstance(k, bytes) else str(k))
                 sink.send_final()
                 continue
             try:
@@ -201,7 +216,20 @@ class TritonPythonModel:
                 self.loop.submit(job)
         return None
 
+    def _watch_shutdown(self, path):
+        """Start the drain once the launcher has written the shutdown file (see the docstring)."""
+        while not self._closing.wait(0.1):
+            try:
+                with open(path) as f:
+                    deadline = float(json.load(f)["deadline"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+            self.loop.begin_drain(time.monotonic() + max(0.0, deadline - time.time()))
+            pb_utils.Logger.log_info(f"lilicorr: draining, deadline in {max(0.0, deadline - time.time()):.1f} s")
+            return
+
     def finalize(self):
+        self._closing.set()
         self.loop.stop()
         self.metrics.sync(self.loop.stats)
         if self.timer is not None and self.timer.blocks:       # Table 3 decomposition in the server log
