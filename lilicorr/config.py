@@ -30,6 +30,8 @@ class DrafterConfig:
     vocab_size: int = 0
     target_layer_ids: list[int] = field(default_factory=list)
     mask_token_id: int | None = None     # frozen target row used as mask embedding; None -> learned
+    draft_vocab_size: int = 0            # N > 0: LM head over the N most frequent training tokens
+                                         # (EAGLE-3 style, ids mapped back to the target's); 0 -> full
     initializer_range: float = 0.02
 
     def for_target(self, target_cfg: Any, mask_token_id: int | None = None) -> "DrafterConfig":
@@ -49,6 +51,7 @@ class DrafterConfig:
             target_layer_ids=list(ids),
             num_target_layers_captured=len(ids),
             mask_token_id=mask_token_id if mask_token_id is not None else self.mask_token_id,
+            draft_vocab_size=self.draft_vocab_size if 0 < self.draft_vocab_size < target_cfg.vocab_size else 0,
         )
 
 
@@ -87,6 +90,10 @@ class LossConfig:
     """Eq. 6, 7 and 13 weights (Table 4, Appendix G)."""
 
     beta: float = 7.0           # decay of the DFlash CE, Eq. 6
+    # normalisation of L_DFlash: "token_mean" divides the weighted sum by the summed weights
+    # (SpecForge, the default); "sum" is Eq. 6 as written, a plain sum over the slots of a block,
+    # averaged over blocks (about (sum_s w_s)x larger, which shifts gamma's effective balance)
+    dflash_norm: str = "token_mean"
     gamma: float = 0.25         # weight of the reranker objective, Eq. 7
     lam: float = 1.0            # distractor weight lambda, Eq. 7
     distractor: bool = True     # False -> Appendix C ablation (CE + DFlash only)
@@ -155,13 +162,17 @@ def paper_preset() -> LiLiCorrConfig:
 
 
 def cpu_preset() -> LiLiCorrConfig:
-    """Small enough to train in minutes on 2 CPU cores with SmolLM2-135M (hidden 576, 30 layers)."""
+    """Trains on 2 CPU cores with SmolLM2-135M (hidden 576, 30 layers) in bf16 autocast.
+
+    Recipe as DFlash trains at B=8: 5 captured layers, decay 4 (Eq. 6) and dense anchors
+    (seq_len/B). The draft vocabulary is chosen from the training data, so it is set by
+    `train/train.py --draft-vocab N` rather than here."""
     return LiLiCorrConfig(
-        drafter=DrafterConfig(num_layers=2, block_size=8, num_target_layers_captured=3),
+        drafter=DrafterConfig(num_layers=2, block_size=8, num_target_layers_captured=5),
         head=HeadConfig(top_k=8, width=256, num_layers=2, num_heads=4, ffn_width=512, embed_dim=128),
-        loss=LossConfig(),
+        loss=LossConfig(beta=4.0),
         train=TrainConfig(lr_drafter=1e-3, lr_head=5e-4, global_batch=8, seq_len=512, epochs=1,
-                          num_anchors=32, log_every=5),
+                          num_anchors=64, log_every=5),
     )
 
 

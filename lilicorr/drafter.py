@@ -6,6 +6,12 @@ queries, never in the residual stream). The block is [anchor, mask x (B-1)] at p
 attention inside the block is non-causal and context keys are strictly before the anchor. Slot k
 predicts the token at its own position p+k (no label shift). Token embeddings and the LM head are
 the target's, frozen and shared; the final norm is the drafter's own.
+
+Draft vocabulary (EAGLE-3 style, `DrafterConfig.draft_vocab_size` N > 0): the LM head covers only the
+rows `draft_to_target` [N] of the target's (frozen) head, the N most frequent tokens of the training
+data; `logits` returns [..., N] and candidate ids are mapped back to target ids by the caller
+(`head.top_k_candidates(..., id_map=drafter.draft_to_target)`). The map is a checkpoint buffer; the
+weight rows are gathered from the target at run time, so a checkpoint stays small.
 """
 from __future__ import annotations
 
@@ -96,7 +102,15 @@ class DFlashDrafter(nn.Module):
         if cfg.mask_token_id is None:
             self.mask_embedding = nn.Parameter(embed.weight.detach().float().mean(0).clone())
         else:
+            if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+                raise ValueError(f"mask_token_id {cfg.mask_token_id} is outside the vocabulary [0, {cfg.vocab_size})")
             self.mask_embedding = None
+        if cfg.draft_vocab_size:
+            # placeholder until set_draft_vocab() or a checkpoint fills it
+            self.register_buffer("draft_to_target", torch.arange(cfg.draft_vocab_size))
+        else:
+            self.draft_to_target = None
+        self._draft_weight_cache: tuple | None = None
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -139,9 +153,40 @@ class DFlashDrafter(nn.Module):
             h = layer(h, cos, sin, k, v, mask)
         return self.norm(h)
 
+    def set_draft_vocab(self, token_ids) -> None:
+        """Fill the draft vocabulary map with N distinct target ids (N = cfg.draft_vocab_size)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long)
+        if self.draft_to_target is None or ids.shape != self.draft_to_target.shape:
+            raise ValueError(f"draft vocabulary of {tuple(ids.shape)} ids does not match draft_vocab_size="
+                             f"{self.cfg.draft_vocab_size}")
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or int(ids.max()) >= self.cfg.vocab_size:
+            raise ValueError("draft vocabulary ids must be distinct target ids")
+        self.draft_to_target.copy_(ids.to(self.draft_to_target.device))
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[V] long: the draft-vocabulary index of every target id, -1 where it has none."""
+        d2t = self.draft_to_target
+        t2d = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=d2t.device)
+        t2d[d2t] = torch.arange(len(d2t), device=d2t.device)
+        return t2d
+
+    def lm_weight(self) -> torch.Tensor:
+        """The LM-head rows the drafter scores: [V, H] (full) or [N, H] (draft vocabulary, gathered
+        once from the frozen target head and cached until the map or the head changes)."""
+        w = self.lm_head.weight
+        d2t = self.draft_to_target
+        if d2t is None:
+            return w
+        key = (d2t.data_ptr(), d2t._version, w.data_ptr(), w._version, w.dtype, w.device)
+        if self._draft_weight_cache is None or self._draft_weight_cache[0] != key:
+            self._draft_weight_cache = (key, w.detach()[d2t].contiguous())
+        return self._draft_weight_cache[1]
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> logits [..., V] through the frozen target LM head (float32)."""
-        return self.lm_head(hidden.to(self.lm_head.weight.dtype)).float()
+        """hidden [..., H] -> logits [..., V] (or [..., N] over the draft vocabulary) through the
+        frozen target LM head, float32."""
+        w = self.lm_weight()
+        return F.linear(hidden.to(w.dtype), w).float()
 
 
 def block_attention_mask(anchors: torch.Tensor, valid: torch.Tensor, ctx_len: int,

@@ -32,16 +32,20 @@ def confidence_features(topk_logprobs: torch.Tensor) -> torch.Tensor:
     return torch.stack([topk_logprobs, topk_logprobs.exp(), gap, rank, is_top], dim=-1)
 
 
-def top_k_candidates(slot_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_candidates(slot_logits: torch.Tensor, k: int,
+                     id_map: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-K candidates of each slot and their five confidence features.
 
-    slot_logits: [N, S, V] drafter logits of the drafted slots
-    returns cand_ids [N, S, K] (long, detached: pool membership is not differentiated, §3.4)
+    slot_logits: [N, S, V] drafter logits of the drafted slots (V = the draft vocabulary's N when
+                 the drafter has one)
+    id_map:      [V] long, target id of each draft-vocabulary entry, or None (ids are target ids)
+    returns cand_ids [N, S, K] target ids (long, detached: pool membership is not differentiated, §3.4)
             cand_feats [N, S, K, 5] (carry gradients through the log-probabilities)
     """
     logprobs = torch.log_softmax(slot_logits.float(), dim=-1)        # [N, S, V]
-    cand_ids = torch.topk(logprobs.detach(), k, dim=-1).indices      # [N, S, K]
-    cand_logprobs = torch.gather(logprobs, -1, cand_ids)             # [N, S, K]
+    cand_idx = torch.topk(logprobs.detach(), k, dim=-1).indices      # [N, S, K]
+    cand_logprobs = torch.gather(logprobs, -1, cand_idx)             # [N, S, K]
+    cand_ids = cand_idx if id_map is None else id_map[cand_idx]
     return cand_ids, confidence_features(cand_logprobs)
 
 

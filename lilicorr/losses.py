@@ -33,13 +33,25 @@ def slot_decay(num_slots: int, beta: float, device=None) -> torch.Tensor:
     return torch.exp(-s / beta) if beta > 0 else torch.ones_like(s)
 
 
+DFLASH_NORMS = ("token_mean", "sum")
+
+
 def dflash_terms(slot_logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                 beta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 6. slot_logits [N, S, V], labels [N, S] long, label_mask [N, S] bool -> (sum, weight)."""
+                 beta: float, norm: str = "token_mean") -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 6. slot_logits [N, S, V], labels [N, S] long (indices into V), label_mask [N, S] bool
+    -> (sum, normaliser); the loss is sum / normaliser after the global all-reduce.
+
+    norm "token_mean" (SpecForge): normaliser = sum of the weights w_s over labelled slots, so the
+    loss is a weighted mean per slot. norm "sum" (Eq. 6 as written): normaliser = number of blocks
+    with a labelled slot, so the loss is the weighted sum over a block's slots, averaged over blocks.
+    """
+    if norm not in DFLASH_NORMS:
+        raise ValueError(f"unknown L_DFlash normalisation {norm!r}; choose from {DFLASH_NORMS}")
     w = slot_decay(labels.shape[1], beta, labels.device)[None, :] * label_mask.float()   # [N, S]
     ce = F.cross_entropy(slot_logits.float().flatten(0, 1), labels.clamp_min(0).flatten(),
                          reduction="none").view_as(w)                                    # [N, S]
-    return (w * ce).sum(), w.sum()
+    normaliser = w.sum() if norm == "token_mean" else label_mask.any(1).float().sum()
+    return (w * ce).sum(), normaliser
 
 
 def oracle_prefix(cand_ids: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor):
@@ -99,8 +111,10 @@ def combine(terms: LossTerms, cfg: LossConfig, counts: dict | None = None, vanil
     loss = l_dflash
     if not vanilla:
         l_ce, l_dist, l_margin = terms.ce_sum / ns, terms.dist_sum / ns, terms.margin_sum / ns
-        lam = cfg.lam if cfg.distractor else 0.0
-        rerank = (1 - cfg.mu) * l_ce + lam * l_dist + cfg.mu * l_margin
+        if cfg.distractor:
+            rerank = (1 - cfg.mu) * l_ce + cfg.lam * l_dist + cfg.mu * l_margin
+        else:   # Appendix C ablation: lambda's share goes to the CE, the reranker's total weight stays
+            rerank = (1 - cfg.mu + cfg.lam) * l_ce + cfg.mu * l_margin
         loss = loss + cfg.gamma * rerank
         parts.update(ce=l_ce, dist=l_dist, margin=l_margin)
     parts["total"] = loss

@@ -50,7 +50,7 @@ class LiLiCorrModel(nn.Module):
                       target_captured: torch.Tensor):
         """slot_hidden [N, S, H], slot_logits [N, S, V], target_captured [N, n, H]
         -> cand_ids [N, S, K], anchor_scores [N, K], pair_scores [N, S-1, K, K]."""
-        cand_ids, cand_feats = top_k_candidates(slot_logits, self.cfg.head.top_k)
+        cand_ids, cand_feats = top_k_candidates(slot_logits, self.cfg.head.top_k, self.drafter.draft_to_target)
         out_vec, in_vec, anchor_out = self.head(cand_ids, cand_feats, slot_hidden, target_captured)
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, self.cfg.head.sigma)
         return cand_ids, anchor_scores, pair_scores
@@ -61,11 +61,14 @@ class LiLiCorrModel(nn.Module):
 
     def propose_from_logits(self, slot_hidden: torch.Tensor, slot_logits: torch.Tensor,
                             target_captured: torch.Tensor, rule: str) -> Proposal:
-        """slot_hidden [N, S, H], slot_logits [N, S, V], target_captured [N, n, H] -> Proposal."""
+        """slot_hidden [N, S, H], slot_logits [N, S, V] (V: the draft vocabulary's size when the
+        drafter has one), target_captured [N, n, H] -> Proposal with target ids."""
         if rule not in ("lilicorr", "viterbi", "argmax"):
             raise ValueError(f"unknown decode rule {rule!r}; choose from lilicorr, viterbi, argmax")
         if rule == "argmax":
             cand_ids = torch.topk(slot_logits, self.cfg.head.top_k, dim=-1).indices  # [N, S, K]
+            if self.drafter.draft_to_target is not None:
+                cand_ids = self.drafter.draft_to_target[cand_ids]                   # target ids
             return Proposal(tokens=cand_ids[..., 0], cand_ids=cand_ids)
         if self.head is None:
             raise ValueError(f"rule {rule!r} needs a LiLiCorr head; this checkpoint is vanilla DFlash")
@@ -86,7 +89,8 @@ def load_model(ckpt_dir, target, dtype: torch.dtype | None = None) -> LiLiCorrMo
     model = LiLiCorrModel(cfg, target)
     state = ckpt_io.load_state_dict(ckpt_dir)
     dtype = dtype or target.embed_tokens.weight.dtype
-    ckpt_io.load_into(model, {k: v.to(dtype) for k, v in state.items()}, ckpt_dir)
+    ckpt_io.load_into(model, {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()},
+                      ckpt_dir)
     return model.to(dtype).eval().requires_grad_(False)
 
 

@@ -100,6 +100,7 @@ class Trainer:
         self.state = TrainState()
         self.autocast_bf16 = autocast_bf16
         self.features = features          # optional FeatureStore: skips the target forward
+        self.extra_meta: dict = {}        # recorded in every checkpoint's meta (vocabulary, precision)
 
     # -- data order: a function of (seed, epoch) only, so resume and world size don't change it --
     def batch_indices(self, step: int) -> list[int]:
@@ -127,7 +128,8 @@ class Trainer:
             feats = None
             if self.features is not None:
                 feats = tuple(f.to(self.device) for f in self.features.batch(chunk, ids.shape[1]))
-            with nvtx_range("train/forward"), torch.autocast("cuda", torch.bfloat16, enabled=self.autocast_bf16):
+            with nvtx_range("train/forward"), torch.autocast(self.device.type, torch.bfloat16,
+                                                             enabled=self.autocast_bf16):
                 outs.append(training_forward(self.model, self.target, ids, mask, anchors, valid, feats))
         counts = self._global_counts(outs)
         parts_sum: dict[str, float] = {}
@@ -189,13 +191,13 @@ class Trainer:
             return None
         state = self.model.state_dict()
         if save_dtype is not None:
-            state = {k: v.to(save_dtype) for k, v in state.items()}
+            state = {k: v.to(save_dtype) if v.is_floating_point() else v for k, v in state.items()}
         opt = None
         if with_optimizer:
             opt = {"optimizer": self.optimizer.state_dict(), "step": self.state.step,
                    "rng": torch.get_rng_state()}
         meta = {"step": self.state.step, "total_steps": self.total_steps, "history": self.state.history,
-                "time": time.time()}
+                "time": time.time(), **self.extra_meta}
         return ckpt_io.save_checkpoint(path or self.out_dir, self.cfg, state, self.target.config, meta, opt)
 
     def resume(self, path) -> bool:
@@ -209,7 +211,7 @@ class Trainer:
                 or cfg.head != self.cfg.head:
             raise ckpt_io.CheckpointError(f"checkpoint {path} has a different model config; use another --out")
         state = ckpt_io.load_state_dict(path)
-        ckpt_io.load_into(self.model, {k: v.float() for k, v in state.items()}, path)
+        ckpt_io.load_into(self.model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, path)
         opt_file = path / ckpt_io.OPTIMIZER
         if not opt_file.exists():
             raise ckpt_io.CheckpointError(f"checkpoint {path} has no optimizer state; cannot resume")

@@ -134,10 +134,16 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
     label_mask = in_range & loss_mask[rows[:, None], label_pos]          # [M, S]
 
     slot_hidden = hidden[:, 1:].contiguous()                             # [M, S, H]
-    slot_logits = drafter.logits(slot_hidden)                            # [M, S, V]
-    dflash_sum, dflash_w = dflash_terms(slot_logits, labels, label_mask, cfg.loss.beta)
+    slot_logits = drafter.logits(slot_hidden)                            # [M, S, V] (V: draft vocab)
+    if drafter.draft_to_target is None:
+        draft_labels, draft_mask = labels, label_mask
+    else:                                  # labels outside the draft vocabulary carry no CE (EAGLE-3)
+        draft_labels = drafter.target_to_draft()[labels]                 # [M, S], -1 if absent
+        draft_mask = label_mask & (draft_labels >= 0)
+    dflash_sum, dflash_w = dflash_terms(slot_logits, draft_labels, draft_mask, cfg.loss.beta,
+                                        cfg.loss.dflash_norm)
 
-    cand_ids, cand_feats = top_k_candidates(slot_logits, k)              # [M, S, K], [M, S, K, 5]
+    cand_ids, cand_feats = top_k_candidates(slot_logits, k, drafter.draft_to_target)  # target ids
     prefix, gt_index = oracle_prefix(cand_ids, labels, label_mask)       # [M, S]
     zero = slot_logits.new_zeros(())
     ce_sum = dist_sum = margin_sum = zero

@@ -201,6 +201,13 @@ def test_eq6_decay_weights():
     want = sum(-ws[s] * logp[b, s, labels[b, s]] for b in range(2) for s in range(4) if mask[b, s])
     assert total.item() == pytest.approx(float(want), rel=1e-5)
     assert weight.item() == pytest.approx(sum(ws) + ws[0] + ws[1], rel=1e-6)
+    # Eq. 6 as written: the same weighted sum, normalised by the number of labelled blocks
+    total_sum, blocks = dflash_terms(logits, labels, mask, beta=2.0, norm="sum")
+    assert total_sum.item() == pytest.approx(total.item()) and blocks.item() == 2.0
+    labels_none = torch.zeros(1, 4, dtype=torch.bool)
+    assert dflash_terms(logits[:1], labels[:1], labels_none, 2.0, "sum")[1].item() == 0.0
+    with pytest.raises(ValueError, match="normalisation"):
+        dflash_terms(logits, labels, mask, beta=2.0, norm="mean")
 
 
 # -- Eq. 13 ------------------------------------------------------------------------------------
@@ -238,8 +245,11 @@ def test_combine_matches_eq7_and_appendix_g():
     assert loss.item() == pytest.approx(d + 0.5 * (ce + 0.7 * dist))
     loss, _ = combine(_terms(), LossConfig(gamma=0.25, lam=1.0, mu=0.5, rho=2.0))   # Appendix G
     assert loss.item() == pytest.approx(d + 0.25 * (0.5 * ce + 1.0 * dist + 0.5 * margin))
-    loss, _ = combine(_terms(), LossConfig(gamma=0.25, lam=1.0, distractor=False))  # Appendix C
-    assert loss.item() == pytest.approx(d + 0.25 * ce)
+    # Appendix C: L_dist dropped, its weight lambda moves to the CE (the reranker keeps its total)
+    loss, _ = combine(_terms(), LossConfig(gamma=0.25, lam=1.0, distractor=False))
+    assert loss.item() == pytest.approx(d + 0.25 * (1.0 + 1.0) * ce)
+    loss, _ = combine(_terms(), LossConfig(gamma=0.25, lam=0.7, mu=0.5, distractor=False))
+    assert loss.item() == pytest.approx(d + 0.25 * ((0.5 + 0.7) * ce + 0.5 * margin))
     loss, parts = combine(_terms(), LossConfig(), vanilla=True)
     assert loss.item() == pytest.approx(d) and set(parts) == {"dflash", "total"}
     # global normalisation: counts from all ranks replace the local ones

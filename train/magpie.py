@@ -1,0 +1,70 @@
+#!/usr/bin/env python
+"""Write general-chat training prompts sampled from the target itself (the Magpie method).
+
+    python train/magpie.py --target DIR --out chat-prompts.jsonl [--num 800] [--seed 0]
+                           [--temperature 1.0] [--max-tokens 96] [--dtype bfloat16]
+
+The target's chat template is started at the user turn and the target samples the user message
+(`lilicorr/data/magpie.py`); texts are deduplicated and anything equal to an evaluation prompt is
+dropped. The output is a prompt file for `train/regen.py --prompts`, one whole line per prompt as
+it is found (`lilicorr.regen.LineWriter`); rerun the same command to resume an interrupted run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without install
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", required=True, help="target model directory (HF layout)")
+    ap.add_argument("--out", required=True, type=Path, help="output prompt JSONL")
+    ap.add_argument("--num", type=int, default=800, help="distinct prompts to keep")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=96, help="longest user turn sampled")
+    ap.add_argument("--batch-size", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    args = ap.parse_args(argv)
+    if args.num < 1:
+        ap.error("--num must be >= 1")
+    import torch
+    from tqdm import tqdm
+
+    from lilicorr.data.magpie import generate_user_turns
+    from lilicorr.engine import SpecEngine
+    from lilicorr.regen import LineWriter, repair_and_read
+    from lilicorr.tokenizer import Tokenizer
+
+    done = list(repair_and_read(args.out).values())
+    if any(not it["id"].startswith(f"magpie-{args.seed}-") for it in done):
+        print(f"error: {args.out} holds prompts of another seed; use another --out", file=sys.stderr)
+        return 2
+    if len(done) >= args.num:
+        print(f"{args.out} already holds {len(done)} prompts")
+        return 0
+    tok = Tokenizer.from_dir(args.target)
+    engine = SpecEngine.from_paths(args.target, ckpt_dir=None, max_batch=args.batch_size, max_seq_len=512,
+                                   dtype=getattr(torch, args.dtype))
+    engine.keep_results = False
+    t0 = time.perf_counter()
+    with LineWriter(args.out) as writer, \
+            tqdm(total=args.num, initial=len(done), desc="magpie prompts", unit="prompt", mininterval=10) as bar:
+        def keep(item):
+            writer.write(item)
+            bar.update(1)
+        items = generate_user_turns(engine, tok, args.num, seed=args.seed, temperature=args.temperature,
+                                    max_tokens=args.max_tokens, batch_size=args.batch_size,
+                                    progress=keep, done=done)
+    print(json.dumps({"prompts": len(items), "new": len(items) - len(done),
+                      "seconds": round(time.perf_counter() - t0, 1)}))
+    return 0 if len(items) == args.num else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
