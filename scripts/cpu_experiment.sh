@@ -1,25 +1,33 @@
 #!/usr/bin/env bash
-# Issue 8: the paper's headline comparison at CPU scale on SmolLM2-135M-Instruct.
-#   bash scripts/cpu_experiment.sh [regen|features|train|eval|eval-t1|all]
+# LiLiCorr vs vanilla DFlash on SmolLM2-135M-Instruct at CPU scale (results/cpu_smollm2).
+#   bash scripts/cpu_experiment.sh [magpie|regen|features|train|eval|eval-chat|eval-t1|all]
 # Every phase is resumable: rerun the script (or a phase) after an interruption. Sizes come from
 # the environment; the defaults are what results/cpu_smollm2 reports.
-#   regen     SHARDS processes (one per core) each regenerate a contiguous block of the PROMPTS
-#             training prompts into regen-<i>.jsonl; REGEN_MINUTES caps the phase (0: no cap),
-#             a capped run resumes where it stopped.
-#   features  the target's features over all regen-*.jsonl, SHARDS worker processes; rebuilt
-#             when the data changed.
-#   train     ARMS side by side, equal data, steps, batch and anchors.
+#   magpie    CHAT_PROMPTS general-chat user turns sampled from the target itself (Magpie).
+#   regen     the target's answers: PROMPTS code/math/docstring prompts in SHARDS processes (one
+#             per core, regen-<i>.jsonl) and the Magpie prompts (regen-chat.jsonl); REGEN_MINUTES
+#             caps the phase (0: no cap), a capped run resumes where it stopped.
+#   features  the target's features (5 captured layers) over all regen-*.jsonl, SHARDS workers;
+#             rebuilt when the data changed.
+#   train     ARMS side by side at the same budget: STEPS steps of BATCH sequences, ANCHORS
+#             anchors per sequence, a DRAFT_VOCAB draft vocabulary, a checkpoint every SAVE_EVERY.
 #   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows.
+#   eval-chat greedy on the general-chat suite (prompts in no training file).
 #   eval-t1   temperature 1 over SEEDS: argmax on the vanilla drafter, lilicorr on the joint one.
+# DTYPE (float32 | bfloat16) is the target's dtype in regen, features and eval; the default is the
+# faster one on this machine (bf16 needs AVX512-BF16 or AMX on a CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1     # one thread per process: 2 shared cores
 W=${WORK:-work/cpu_smollm2}
 T=.cache/smollm2-135m-instruct-float32
-PROMPTS=${PROMPTS:-1200}; MAX_NEW=${MAX_NEW:-160}; SHARDS=${SHARDS:-2}; REGEN_MINUTES=${REGEN_MINUTES:-0}
-STEPS=${STEPS:-210}; ANCHORS=${ANCHORS:-24}; BATCH=${BATCH:-8}
-ARMS=${ARMS:-vanilla lilicorr nodist margin}
+DTYPE=${DTYPE:-$(python -c "from lilicorr.target import resolve_dtype; print(str(resolve_dtype('auto')).removeprefix('torch.'))")}
+PROMPTS=${PROMPTS:-1200}; MAX_NEW=${MAX_NEW:-192}; SHARDS=${SHARDS:-1}; REGEN_MINUTES=${REGEN_MINUTES:-0}
+CHAT_PROMPTS=${CHAT_PROMPTS:-500}
+STEPS=${STEPS:-600}; ANCHORS=${ANCHORS:-64}; BATCH=${BATCH:-8}; DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
+SAVE_EVERY=${SAVE_EVERY:-50}
+ARMS=${ARMS:-vanilla lilicorr}
 EVAL_LIMIT=${EVAL_LIMIT:-40}; EVAL_TOKENS=${EVAL_TOKENS:-128}; EVAL_BATCH=${EVAL_BATCH:-16}
 SEEDS=${SEEDS:-0,1,2}
 phase=${1:-all}
@@ -35,16 +43,28 @@ wait_all() {  # pids: wait for every one; fail with the last failure (a bare `wa
   return $rc
 }
 
+magpie() {
+  python train/prepare_target.py --out "$T"
+  python train/magpie.py --target "$T" --out "$W/magpie-prompts.jsonl" --num "$CHAT_PROMPTS" \
+    --dtype "$DTYPE" >> "$W/magpie.log" 2>&1
+}
+
 regen() {
   python train/prepare_target.py --out "$T"
   local cap=() pids=()
   [[ $REGEN_MINUTES != 0 ]] && cap=(timeout -s TERM "${REGEN_MINUTES}m")
   for ((i = 0; i < SHARDS; i++)); do
     "${cap[@]}" python train/regen.py --target "$T" --out "$W/regen-$i.jsonl" --num-prompts "$PROMPTS" \
-      --max-new-tokens "$MAX_NEW" --batch-size 48 --seed 0 --shard "$i/$SHARDS" --allow-mismatch \
-      >> "$W/regen-$i.log" 2>&1 &
+      --max-new-tokens "$MAX_NEW" --batch-size 32 --seed 0 --shard "$i/$SHARDS" --dtype "$DTYPE" \
+      --allow-mismatch --no-progress >> "$W/regen-$i.log" 2>&1 &
     pids+=($!)
   done
+  if [[ -f $W/magpie-prompts.jsonl ]]; then
+    "${cap[@]}" python train/regen.py --target "$T" --out "$W/regen-chat.jsonl" --prompts "$W/magpie-prompts.jsonl" \
+      --max-new-tokens "$MAX_NEW" --batch-size 32 --seed 0 --dtype "$DTYPE" --allow-mismatch --no-progress \
+      >> "$W/regen-chat.log" 2>&1 &
+    pids+=($!)
+  fi
   local p rc
   for p in "${pids[@]}"; do     # 124/130: stopped at the time cap, resumable
     wait "$p" || { rc=$?; [[ $rc == 130 || $rc == 124 ]] || exit $rc; echo "regen stopped at the time cap (resumable)"; }
@@ -52,7 +72,8 @@ regen() {
 }
 
 features() {
-  python - "$T" "$W" "$SHARDS" $(data) <<'PY'
+  DTYPE=$DTYPE python - "$T" "$W" "$SHARDS" $(data) <<'PY'
+import os
 import sys
 from pathlib import Path
 from tqdm import tqdm
@@ -61,7 +82,7 @@ from lilicorr.features import FeatureStore, build_feature_store
 from lilicorr.target import load_target
 from lilicorr.training import load_sequences
 target_dir, work, workers, files = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-t = load_target(target_dir)
+t = load_target(target_dir, dtype=os.environ["DTYPE"])
 cfg = preset("cpu"); cfg.drafter = cfg.drafter.for_target(t.config)
 seqs = load_sequences(files, cfg.train.seq_len)
 try:
@@ -80,20 +101,22 @@ train() {
   local pids=()
   for arm in $ARMS; do
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
-      --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --save-every 25 \
-      --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} > "$W/train-$arm.log" 2>&1 &
+      --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --draft-vocab "$DRAFT_VOCAB" \
+      --save-every "$SAVE_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} \
+      >> "$W/train-$arm.log" 2>&1 &
     pids+=($!)
   done
   wait_all "${pids[@]}" || { echo "a training arm failed: see $W/train-*.log"; exit 1; }
 }
 
-common=(--target "$T" --prompts humaneval,math500,gsm-symbolic --limit "$EVAL_LIMIT"
-        --max-tokens "$EVAL_TOKENS" --batch-size "$EVAL_BATCH" --threads 1)
+common=(--target "$T" --limit "$EVAL_LIMIT" --max-tokens "$EVAL_TOKENS" --batch-size "$EVAL_BATCH"
+        --threads 1 --dtype "$DTYPE")
+suites=(--prompts humaneval,math500,gsm-symbolic)
 evaluate() {  # model, rules, extra flags; skipped when its JSON exists (delete it to rerun)
   local out="$W/eval-$1${4:-}.json"
   [[ -f $out ]] && { echo "have $out"; return; }
   [[ -d $W/ckpt-$1 ]] || { echo "no $W/ckpt-$1: train that arm first"; return; }
-  python -m lilicorr.eval "${common[@]}" --ckpt "$W/ckpt-$1" --rules "$2" ${3:-} --json "$out" \
+  python -m lilicorr.eval "${common[@]}" "${suites[@]}" --ckpt "$W/ckpt-$1" --rules "$2" ${3:-} --json "$out" \
     > "$W/eval-$1${4:-}.log" 2>&1
 }
 eval_greedy() {
@@ -101,14 +124,22 @@ eval_greedy() {
   { evaluate vanilla ar,argmax && evaluate nodist ar,lilicorr && evaluate margin ar,lilicorr; } & local b=$!
   wait_all $a $b || { echo "an eval run failed: see $W/eval-*.log"; exit 1; }
 }
+eval_chat() {   # general chat: one run per arm
+  local suites=(--prompts lilicorr/data/chat_first_turn.jsonl)
+  evaluate lilicorr ar,argmax,lilicorr "" -chat & local a=$!
+  evaluate vanilla ar,argmax "" -chat & local b=$!
+  wait_all $a $b || { echo "an eval run failed: see $W/eval-*-chat.log"; exit 1; }
+}
 eval_t1() {
   evaluate vanilla argmax "--temperature 1 --seed $SEEDS" -t1 & local a=$!   # ar's rate: the greedy runs
   evaluate lilicorr lilicorr "--temperature 1 --seed $SEEDS" -t1 & local b=$!
   wait_all $a $b || { echo "an eval run failed: see $W/eval-*-t1.log"; exit 1; }
 }
 
+if want magpie; then timed magpie magpie; fi
 if want regen; then timed regen regen; fi
 if want features || want train; then timed features features; fi
 if want train; then timed train train; fi
 if want eval; then timed eval eval_greedy; fi
+if want eval-chat; then timed eval-chat eval_chat; fi
 if want eval-t1; then timed eval-t1 eval_t1; fi

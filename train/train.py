@@ -39,6 +39,18 @@ def parse_args(argv=None):
     p.add_argument("--seq-len", type=int, default=0)
     p.add_argument("--drafter-layers", type=int, default=0)
     p.add_argument("--block-size", type=int, default=0)
+    p.add_argument("--captured-layers", type=int, default=0, help="n captured target layers (preset: 5)")
+    p.add_argument("--beta", type=float, default=0.0, help="decay of the DFlash CE, Eq. 6 (preset: 4 at B=8)")
+    p.add_argument("--dflash-norm", choices=["token_mean", "sum"], default=None,
+                   help="L_DFlash normalisation: token_mean (SpecForge, default) or sum (Eq. 6 as written)")
+    p.add_argument("--draft-vocab", type=int, default=0,
+                   help="draft vocabulary of the N most frequent training tokens (0: full vocabulary)")
+    p.add_argument("--mask-token", default="auto",
+                   help="mask embedding: auto (an unused special row of the target, else learned), "
+                        "learned, or a token id")
+    p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
+                   help="bf16: autocast with fp32 master weights (Table 4); fp32: full precision; auto: bf16 "
+                        "on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16/AMX), fp32 elsewhere")
     p.add_argument("--lr-drafter", type=float, default=0.0)
     p.add_argument("--lr-head", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
@@ -67,6 +79,14 @@ def build_config(args, target_cfg):
         cfg.drafter.num_layers = args.drafter_layers
     if args.block_size:
         cfg.drafter.block_size = args.block_size
+    if args.captured_layers:
+        cfg.drafter.num_target_layers_captured = args.captured_layers
+    if args.beta:
+        cfg.loss.beta = args.beta
+    if args.dflash_norm:
+        cfg.loss.dflash_norm = args.dflash_norm
+    if args.draft_vocab:
+        cfg.drafter.draft_vocab_size = args.draft_vocab
     cfg.vanilla = args.vanilla
     if args.margin:
         cfg.loss.mu, cfg.loss.rho = 0.5, 2.0
@@ -102,10 +122,19 @@ def main(argv=None) -> int:
         target = load_target(args.target, dtype=torch.float32, device=device)
         cfg = build_config(args, target.config)
         seqs = load_sequences(args.data, cfg.train.seq_len)
+        vocab_info = _choose_vocabulary(args, cfg, target, seqs)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
-        features = _feature_store(args.features, target, cfg, seqs, dist_info) if args.features else None
+        if args.precision == "auto":
+            from lilicorr.target import resolve_dtype
+            args.precision = "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "fp32"
+        bf16 = args.precision == "bf16"
+        features = _feature_store(args.features, target, cfg, seqs, dist_info, bf16) if args.features else None
         trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info,
-                          micro_batch=args.micro_batch, features=features)
+                          micro_batch=args.micro_batch, features=features, autocast_bf16=bf16)
+        if vocab_info.get("draft_ids") is not None:
+            trainer.model.drafter.set_draft_vocab(vocab_info.pop("draft_ids"))
+        trainer.extra_meta["vocabulary"] = vocab_info
+        trainer.extra_meta["precision"] = args.precision
         resumed = trainer.resume(args.out)
     except (FileNotFoundError, ValueError, KeyError, ckpt_io.CheckpointError) as e:
         if dist_info.enabled:
@@ -116,7 +145,10 @@ def main(argv=None) -> int:
     if is_main:
         print(f"{'resumed at step ' + str(trainer.state.step) if resumed else 'fresh run'}: "
               f"{len(seqs)} sequences, {trainer.total_steps} steps, global batch {cfg.train.global_batch}, "
-              f"{dist_info.world} rank(s), {'vanilla DFlash' if cfg.vanilla else 'LiLiCorr'}", flush=True)
+              f"{dist_info.world} rank(s), {'vanilla DFlash' if cfg.vanilla else 'LiLiCorr'}, {args.precision}, "
+              f"mask token {cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else 'learned'}"
+              + (f", draft vocabulary {cfg.drafter.draft_vocab_size} ({100 * vocab_info['draft_coverage']:.2f}% "
+                 f"of training tokens)" if cfg.drafter.draft_vocab_size else ""), flush=True)
     progress = _progress(trainer.total_steps, trainer.state.step, is_main)
     with progress as bar:
         task = bar.add_task("train", total=trainer.total_steps, completed=trainer.state.step, info="") if bar else None
@@ -141,14 +173,47 @@ def main(argv=None) -> int:
     return 0
 
 
-def _feature_store(path, target, cfg, seqs, dist_info):
-    """Open the offline feature store, building it first (rank 0) when it does not exist."""
+def _choose_vocabulary(args, cfg, target, seqs) -> dict:
+    """Set cfg.drafter's mask token and draft vocabulary size from the flags and the training data;
+    returns what the checkpoint's meta records (and the draft ids to load into the drafter)."""
+    from lilicorr.draft_vocab import build_draft_vocab, coverage, token_counts, unused_special_token
+
+    tc = target.config
+    info: dict = {}
+    if args.mask_token == "learned":
+        cfg.drafter.mask_token_id = None
+    elif args.mask_token == "auto":
+        reserved = [tc.bos_token_id, tc.pad_token_id, *tc.eos_token_ids]
+        cfg.drafter.mask_token_id = unused_special_token(
+            args.target, token_counts(seqs, tc.vocab_size, completion_only=False), reserved)
+    else:
+        try:
+            cfg.drafter.mask_token_id = int(args.mask_token)
+        except ValueError:
+            raise ValueError(f"--mask-token {args.mask_token!r}: use auto, learned or a token id") from None
+        if not 0 <= cfg.drafter.mask_token_id < tc.vocab_size:
+            raise ValueError(f"--mask-token {cfg.drafter.mask_token_id} is outside the vocabulary [0, {tc.vocab_size})")
+    info["mask_token_id"] = cfg.drafter.mask_token_id
+    n = cfg.drafter.draft_vocab_size
+    if n and n >= tc.vocab_size:
+        cfg.drafter.draft_vocab_size = n = 0          # as large as the target's: the full head
+    if n:
+        counts = token_counts(seqs, tc.vocab_size)
+        ids = build_draft_vocab(counts, n, always=tc.eos_token_ids)
+        info.update(draft_vocab_size=n, draft_coverage=coverage(counts, ids), draft_ids=ids)
+    return info
+
+
+def _feature_store(path, target, cfg, seqs, dist_info, bf16: bool = False):
+    """Open the offline feature store, building it first (rank 0) when it does not exist
+    (under bf16 autocast when training in bf16, like the target that serves)."""
     from lilicorr.features import FeatureStore, build_feature_store
 
     if not (Path(path) / "meta.json").exists() and dist_info.rank == 0:
         from tqdm import tqdm
 
-        with tqdm(total=len(seqs), desc="target features", unit="seq") as bar:
+        with tqdm(total=len(seqs), desc="target features", unit="seq") as bar, \
+                torch.autocast(target.embed_tokens.weight.device.type, torch.bfloat16, enabled=bf16):
             build_feature_store(target, seqs, cfg.drafter.target_layer_ids, path, progress=bar.update)
     if dist_info.enabled:
         torch.distributed.barrier()
