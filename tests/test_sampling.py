@@ -1,11 +1,16 @@
 """Sampling at T > 0 (DESIGN.md §5): exact rejection sampling keeps the target's distribution.
 
-A tiny target with an 8-token vocabulary; every request decodes 3 tokens from the same prompt with
-its own seed. The joints (t1, t2) and (t2, t3) of the generated tokens are compared with the exact
-distributions computed from the target's logits by a chi-square goodness-of-fit test. t1 comes
-from the prefill; t2 and t3 from the first speculative step(s): accepted drafts, residual samples
-after a rejection, or the bonus token. The sample size is checked to detect a 2% shift of
-probability mass, and deliberately biased verifiers must fail the same test.
+A tiny target with an 8-token vocabulary and block size B = 4 (3 draft slots, 0..2, plus the bonus);
+every request decodes B + 1 = 5 tokens from the same prompt with its own seed. t1 comes from the
+prefill; the first speculative step, drafted from t1, verifies slots 0, 1, 2 at t2, t3, t4 and, if
+all three are accepted, takes the bonus token as t5. Later steps (from anchors t2, t3, ...) produce
+the rest. The joints (t1, t2), (t2, t3), (t3, t4) and (t4, t5) of the generated tokens are compared
+with the exact distributions computed from the target's logits by a chi-square goodness-of-fit
+test, so draft slot 2 and the bonus token reach the test. The sample size is checked to detect a 2%
+shift of probability mass, and deliberately biased verifiers, swapped in for
+`SpecEngine._reject_sample`, must fail the same test: one that always accepts slot 2 and beyond,
+one that takes the bonus token by argmax, one that always accepts and one that resamples from p
+instead of the residual after a rejection.
 """
 from __future__ import annotations
 
@@ -17,47 +22,93 @@ from lilicorr.engine import SpecEngine
 
 from spec_helpers import ScriptedRunner, chi2_test, run_requests, small_model, target_of  # noqa: F401
 
+
 VOCAB = 8
 PROMPT = [1, 5, 7, 4]
+BLOCK = 4
+TOKENS = BLOCK + 1         # per request: prefill token + one full block (3 drafts + bonus)
 N = 16000                  # samples per arm that must pass (see the power check)
 N_BIASED = 2000            # a biased verifier must fail even with fewer samples
 ALPHA = 1e-3               # significance level of every test here (the runs are seeded: deterministic)
-BLOCK = 4
+PAIRS = [(k, k + 1) for k in range(TOKENS - 1)]   # (t1, t2), (t2, t3), (t3, t4), (t4, t5), 0-based
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_target_dir):
+    """Exact joint distribution of the first TOKENS tokens after PROMPT: one batched forward per
+    prefix length over every prefix (8^4 = 4096 rows at most)."""
     path = tiny_target_dir("llama", vocab_size=VOCAB)
     target = target_of(path)
     v, p = VOCAB, len(PROMPT)
+    joint = torch.ones(())
     with torch.no_grad():
-        ids1 = torch.tensor([PROMPT + [a] for a in range(v)])                                 # [V, P+1]
-        ids2 = torch.tensor([PROMPT + [a, b] for a in range(v) for b in range(v)])           # [V*V, P+2]
-        p1 = torch.softmax(target(torch.tensor([PROMPT]), torch.arange(p)[None]).logits[0, -1].double(), -1)
-        p2 = torch.softmax(target(ids1, torch.arange(p + 1).expand(v, -1)).logits[:, -1].double(), -1)
-        p3 = torch.softmax(target(ids2, torch.arange(p + 2).expand(v * v, -1)).logits[:, -1].double(), -1)
-    p3 = p3.view(v, v, v)
-    joint12 = p1[:, None] * p2                                                                # [t1, t2]
-    joint23 = (p1[:, None, None] * p2[:, :, None] * p3).sum(0)                               # [t2, t3]
-    return dict(path=path, target=target, joint12=joint12, joint23=joint23, p2=p2, p3=p3)
+        for k in range(TOKENS):
+            prefixes = torch.cartesian_prod(*[torch.arange(v)] * k).view(v ** k, k) if k else \
+                torch.zeros(1, 0, dtype=torch.long)
+            ids = torch.cat([torch.tensor(PROMPT).expand(len(prefixes), -1), prefixes], 1)
+            logits = target(ids, torch.arange(p + k).expand(len(ids), -1)).logits[:, -1].double()
+            cond = torch.softmax(logits, -1).view(*([v] * k), v)                              # p(t_k+1 | t_1..t_k)
+            joint = joint.unsqueeze(-1) * cond                                                # [V] * (k+1)
+    assert abs(float(joint.sum()) - 1) < 1e-9
+    pairs = {}
+    for a, b in PAIRS:
+        pairs[a, b] = joint.sum(dim=[d for d in range(TOKENS) if d not in (a, b)])
+    return dict(path=path, target=target, joint=joint, pairs=pairs)
 
 
-def _greedy_script(p2, p3, top_k):
-    """Drafts along the target's most likely tokens (high acceptance): at the first step the block
-    after t1 is argmax p(.|t1), then argmax p(.|t1, d1); later steps use the anchor alone. Any
-    deterministic function of the context is a valid proposal for exact rejection sampling."""
+def _greedy_script(joint, top_k):
+    """Drafts along the most likely continuation (high acceptance). The proposal is a deterministic
+    function of (anchor position, anchor), which is a valid proposal for exact rejection sampling:
+    from anchor t_m (m = position - len(PROMPT) + 1), draft j is the argmax of the exact marginal of
+    t_m+j given t_m = anchor and the earlier drafts. At the first step (anchor t1) this is the exact
+    conditional argmax, so all of slots 0..2 are often accepted and the bonus token is reached;
+    positions past the last generated token get a fixed draft."""
     p_len = len(PROMPT)
 
     def script(key, pos, anchor):
-        d1 = int(p2[anchor].argmax())
-        drafts = [d1, int(p3[anchor, d1].argmax()), int(p2[d1].argmax())] if pos == p_len else \
-                 [d1, int(p2[d1].argmax()), int(p2[anchor].argmin())]
-        pools = []
-        for d in drafts[: BLOCK - 1]:
-            pools.append([d] + [t for t in range(VOCAB) if t != d][: top_k - 1])
-        return pools
+        m = pos - p_len                                  # 0-based index of the anchor in the output
+        cond = joint.sum(dim=list(range(m))) if m else joint   # [t_m, t_m+1, ...]
+        cond = cond[anchor]
+        drafts = []
+        for _ in range(BLOCK - 1):
+            if cond.dim() == 0:
+                drafts.append(0)
+                continue
+            marg = cond.sum(dim=list(range(1, cond.dim()))) if cond.dim() > 1 else cond
+            d = int(marg.argmax())
+            drafts.append(d)
+            cond = cond[d]
+        return [[d] + [t for t in range(VOCAB) if t != d][: top_k - 1] for d in drafts]
 
     return script
+
+
+class AcceptFromSlot2(SpecEngine):
+    """A biased verifier: exact rejection sampling at slots 0 and 1, but every draft at slot 2 and
+    beyond is accepted without a test."""
+
+    def _reject_sample(self, logits, drafts, s):
+        probs = torch.softmax(logits.float().cpu() / s.temperature, -1)
+        for i, x in enumerate(drafts):
+            if i >= 2:
+                continue
+            if float(torch.rand((), generator=s.generator)) < float(probs[i, x]):
+                continue
+            resid = probs[i].clone()
+            resid[x] = 0.0
+            return i, int(torch.multinomial(resid / resid.sum(), 1, generator=s.generator))
+        return len(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=s.generator))
+
+
+class BonusByArgmax(SpecEngine):
+    """A biased verifier: exact rejection sampling of every draft, but the bonus token after a
+    fully accepted block is the target's argmax instead of a sample."""
+
+    def _reject_sample(self, logits, drafts, s):
+        a, tok = super()._reject_sample(logits, drafts, s)
+        if a == len(drafts):
+            tok = int(logits[a].argmax())
+        return a, tok
 
 
 class AlwaysAccept(SpecEngine):
@@ -80,38 +131,44 @@ class ResampleFromTarget(SpecEngine):
         return len(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=s.generator))
 
 
-def _sample(setup, engine_cls=SpecEngine, runner="scripted", rule="argmax", n=N, temperature=1.0, seed=0):
+def _sample(setup, engine_cls=SpecEngine, runner="scripted", rule="argmax", n=N, temperature=1.0, seed=0,
+            tokens=TOKENS):
+    """-> (tokens [n, tokens], tau, per-slot acceptance counts, steps that accepted every draft)."""
     target = setup["target"]
     if runner == "scripted":
-        r = ScriptedRunner(small_model(target, BLOCK), 500, _greedy_script(setup["p2"], setup["p3"], 4))
+        r = ScriptedRunner(small_model(target, BLOCK), 500, _greedy_script(setup["joint"], 4))
     elif runner == "untrained":
         r = TorchDraftRunner(small_model(target, BLOCK), 500)
     else:
         r = None
     engine = engine_cls(target, r, max_batch=500)
-    res = engine.generate([PROMPT] * n, 3, rule=rule, temperature=temperature, seed=seed)
-    toks = torch.tensor([x.tokens for x in res])                                             # [n, 3]
-    assert toks.shape == (n, 3)
+    res = engine.generate([PROMPT] * n, tokens, rule=rule, temperature=temperature, seed=seed)
+    toks = torch.tensor([x.tokens for x in res])                                             # [n, tokens]
+    assert toks.shape == (n, tokens)
     steps = sum(x.num_steps for x in res)
     tau = sum(x.accepted_tokens for x in res) / max(steps, 1)
-    return toks, tau
+    slot_accepted = [sum(x.slot_accepted[j] for x in res) for j in range(BLOCK - 1)]
+    full_blocks = sum(x.accept_hist[BLOCK] for x in res)
+    return toks, tau, slot_accepted, full_blocks
 
 
 def _counts(toks, a, b):
     return torch.bincount(toks[:, a] * VOCAB + toks[:, b], minlength=VOCAB * VOCAB).view(VOCAB, VOCAB)
 
 
-def _pvalues(setup, toks):
-    return (chi2_test(_counts(toks, 0, 1), setup["joint12"])[2], chi2_test(_counts(toks, 1, 2), setup["joint23"])[2])
+def _pvalues(setup, toks, pairs=PAIRS):
+    """p-value of the chi-square test of each consecutive pair's joint: {(a, b): p}."""
+    return {(a, b): chi2_test(_counts(toks, a, b), setup["pairs"][a, b])[2] for a, b in pairs}
 
 
 def test_sample_size_detects_a_two_percent_shift(setup):
     """Power of the test: moving 2% of the probability mass between two of the most likely cells
-    of the (t1, t2) joint (the hardest place to see it) is detected at ALPHA in >= 90% of
-    simulated runs of N samples, while the exact distribution is (almost) never rejected."""
+    of a pair's joint is detected at ALPHA in >= 90% of simulated runs of N samples, while the exact
+    distribution is (almost) never rejected. Checked on (t1, t2), the most peaked joint (the hardest
+    place to see a shift), and on (t4, t5), the joint of slot 2 and the bonus."""
     g = torch.Generator().manual_seed(0)
-    for joint in (setup["joint12"],):
-        p = joint.flatten()
+    for pair in ((0, 1), (3, 4)):
+        p = setup["pairs"][pair].flatten()
         top = torch.argsort(p, descending=True)
         for src, dst in ((top[0], top[1]), (top[1], top[0]), (top[0], top[3]), (top[2], top[5])):
             q = p.clone()
@@ -119,29 +176,49 @@ def test_sample_size_detects_a_two_percent_shift(setup):
             q[dst] += 0.02
             hits = sum(chi2_test(torch.bincount(torch.multinomial(q, N, True, generator=g), minlength=len(p)),
                                  p)[2] < ALPHA for _ in range(100))
-            assert hits >= 90, f"only {hits}% power against a 2% shift {int(src)} -> {int(dst)}"
+            assert hits >= 90, f"{pair}: only {hits}% power against a 2% shift {int(src)} -> {int(dst)}"
         false = sum(chi2_test(torch.bincount(torch.multinomial(p, N, True, generator=g), minlength=len(p)),
                               p)[2] < ALPHA for _ in range(100))
         assert false <= 2
 
 
-@pytest.mark.parametrize("runner,rule,seed", [("scripted", "argmax", 1_000_000), ("untrained", "lilicorr", 2_000_000)])
-def test_speculative_sampling_preserves_the_target_distribution(setup, runner, rule, seed):
-    """Request i of an arm has seed `seed + i`: the arms use disjoint seed ranges, so their t1
-    samples (drawn at prefill) are independent. Seeded, hence deterministic: a change of the random
-    stream re-rolls the test, which then fails with probability ALPHA per joint."""
-    toks, tau = _sample(setup, runner=runner, rule=rule, seed=seed)
-    p12, p23 = _pvalues(setup, toks)
-    assert p12 > ALPHA and p23 > ALPHA, (p12, p23)
-    if runner == "scripted":
-        assert tau > 1.5, tau                # the acceptance path is what is being tested
+SEED_SCRIPTED = 1_000_000
+
+
+@pytest.mark.parametrize("engine_cls", [SpecEngine, AcceptFromSlot2, BonusByArgmax])
+def test_every_slot_and_the_bonus_keep_the_target_distribution(setup, engine_cls):
+    """The real verifier passes at every pair of positions, including slot 2 (t4 of the first step)
+    and the bonus token (t5); a verifier biased only at slot 2 and beyond, or only at the bonus,
+    is rejected, and only at the pairs that involve t4 / t5: t1..t3 never see those slots, which
+    is why the test generates B + 1 tokens. Same requests, seeds and sample size for every arm.
+    Request i has seed SEED_SCRIPTED + i; the runs are deterministic, so a change of the random
+    stream re-rolls the test, which then fails with probability about ALPHA per pair."""
+    toks, tau, slot_accepted, full_blocks = _sample(setup, engine_cls=engine_cls, seed=SEED_SCRIPTED)
+    # the paths under test are exercised: multi-token steps, slot 2 accepted, full blocks + bonus
+    assert tau > 1.5, tau
+    assert slot_accepted[2] > N // 20 and full_blocks > N // 20, (slot_accepted, full_blocks)
+    pv = _pvalues(setup, toks)
+    early = {k: v for k, v in pv.items() if k[1] <= 2}                     # (t1, t2), (t2, t3)
+    late = {k: v for k, v in pv.items() if k[1] > 2}                       # (t3, t4), (t4, t5)
+    assert min(early.values()) > ALPHA, (engine_cls.__name__, pv)         # no verifier here is biased there
+    if engine_cls is SpecEngine:
+        assert min(late.values()) > ALPHA, pv
+    else:
+        assert min(late.values()) < 1e-6, (engine_cls.__name__, pv)
+
+
+def test_untrained_drafter_with_the_head_keeps_the_target_distribution(setup):
+    """Proposals from the real (untrained) drafter through the LiLiCorr head and decode rule."""
+    toks, _, _, _ = _sample(setup, runner="untrained", rule="lilicorr", seed=2_000_000)
+    pv = _pvalues(setup, toks)
+    assert min(pv.values()) > ALPHA, pv
 
 
 @pytest.mark.parametrize("engine_cls", [AlwaysAccept, ResampleFromTarget])
-def test_biased_verifiers_fail_the_same_test(setup, engine_cls):
-    toks, _ = _sample(setup, engine_cls=engine_cls, n=N_BIASED)
-    p12, p23 = _pvalues(setup, toks)
-    assert min(p12, p23) < 1e-6, (engine_cls.__name__, p12, p23)
+def test_biased_verifiers_fail_with_fewer_samples(setup, engine_cls):
+    toks, _, _, _ = _sample(setup, engine_cls=engine_cls, n=N_BIASED, seed=3_000_000)
+    pv = _pvalues(setup, toks)
+    assert min(pv.values()) < 1e-6, (engine_cls.__name__, pv)
 
 
 def test_temperature_below_one_targets_the_sharpened_distribution(setup):
@@ -154,9 +231,9 @@ def test_temperature_below_one_targets_the_sharpened_distribution(setup):
         l1 = target(torch.tensor([PROMPT]), torch.arange(p_len)[None]).logits[0, -1].double()
         l2 = target(ids1, torch.arange(p_len + 1).expand(VOCAB, -1)).logits[:, -1].double()
     joint = torch.softmax(l1 / t, -1)[:, None] * torch.softmax(l2 / t, -1)
-    toks, _ = _sample(setup, n=4000, temperature=t)
+    toks, _, _, _ = _sample(setup, n=4000, temperature=t, tokens=2)
     assert chi2_test(_counts(toks, 0, 1), joint)[2] > ALPHA
-    assert chi2_test(_counts(toks, 0, 1), setup["joint12"])[2] < 1e-6
+    assert chi2_test(_counts(toks, 0, 1), setup["pairs"][0, 1])[2] < 1e-6
 
 
 def test_per_request_seeds_are_reproducible(tiny_target_dir):
