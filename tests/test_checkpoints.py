@@ -31,4 +31,12 @@ def test_committed_checkpoint_is_lossless_on_smollm2(ckpt, smollm2_dir):
     for rule in rules:
         out = engine.generate(prompts, 24, rule=rule)
         assert [r.tokens for r in out] == ref, rule
-        assert all(r.num_steps > 0 for r in out)
+        for r in out:
+            # the step bookkeeping adds up: every verify step commits 1..B tokens, the prefill one
+            assert sum(r.accept_hist) == r.num_steps
+            assert sum(k * c for k, c in enumerate(r.accept_hist)) == r.accepted_tokens
+            assert r.accepted_tokens + 1 >= len(r.tokens) > r.num_steps
+        # a trained drafter is accepted: multi-token steps happen, so the rule needs fewer verify
+        # steps than `ar` (one per token after the first)
+        steps = sum(r.num_steps for r in out)
+        assert sum(sum(r.accept_hist[2:]) for r in out) > 0 and steps < sum(len(t) - 1 for t in ref), rule

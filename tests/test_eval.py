@@ -11,6 +11,7 @@ import torch
 
 from lilicorr import report
 from lilicorr.checkpoint import save_checkpoint
+from lilicorr.engine import SpecEngine
 from lilicorr.eval import main
 from lilicorr.model import untrained_model
 from lilicorr.target import load_target
@@ -44,6 +45,50 @@ def setup(tiny_target_dir, tmp_path_factory):
     return dict(path=path, ckpt=ckpt, vanilla=vckpt, other=other, a=a, b=b, root=root)
 
 
+@pytest.fixture
+def generated(monkeypatch):
+    """Records what every `SpecEngine.generate` call of the eval produced: a spy around the real
+    method (it returns the real results unchanged). One dict per call: rule, seed, temperature,
+    max_tokens, prompts (tuple of tuples) and tokens (one list per prompt)."""
+    calls = []
+    real = SpecEngine.generate
+
+    def spy(self, prompts, max_tokens, *args, **kw):
+        res = real(self, prompts, max_tokens, *args, **kw)
+        calls.append(dict(rule=kw.get("rule"), seed=kw.get("seed"), temperature=kw.get("temperature"),
+                          max_tokens=max_tokens, prompts=tuple(tuple(p) for p in prompts),
+                          tokens=[list(r.tokens) for r in res]))
+        return res
+
+    monkeypatch.setattr(SpecEngine, "generate", spy)
+    return calls
+
+
+def _tokens_by_rule(calls, max_tokens):
+    """{(prompts, seed): {rule: tokens}} of the measured calls (the warm-up runs fewer tokens)."""
+    out: dict = {}
+    for c in calls:
+        if c["max_tokens"] == max_tokens:
+            rules = out.setdefault((c["prompts"], c["seed"]), {})
+            assert c["rule"] not in rules, f"rule {c['rule']} measured twice on the same prompts and seed"
+            rules[c["rule"]] = c["tokens"]
+    return out
+
+
+def _assert_rules_generate_the_same_tokens(calls, max_tokens, rules, suites):
+    """Greedy verification: every rule generates the same tokens as `ar`, prompt by prompt, and the
+    JSON's token counts are those of these generations."""
+    runs = _tokens_by_rule(calls, max_tokens)
+    assert len(runs) == len(suites), runs.keys()
+    for (prompts, _), by_rule in runs.items():
+        assert sorted(by_rule) == sorted(rules)
+        for rule in rules:
+            assert by_rule[rule] == by_rule[rules[0]], f"{rule} differs from {rules[0]}"
+        assert all(len(t) > 0 for t in by_rule[rules[0]])
+    counts = sorted(sum(map(len, by_rule[rules[0]])) for by_rule in runs.values())
+    assert counts == sorted(s[rules[0]]["generated_tokens"] for s in suites.values())
+
+
 def _run(setup, tmp_path, *extra, rules="ar,argmax,lilicorr,viterbi", prompts=None, ckpt="ckpt"):
     out = tmp_path / "res" / "eval.json"
     argv = ["--target", str(setup["path"]), "--prompts", prompts or f"{setup['a']},{setup['b']}",
@@ -54,7 +99,7 @@ def _run(setup, tmp_path, *extra, rules="ar,argmax,lilicorr,viterbi", prompts=No
     return main(argv), out
 
 
-def test_eval_writes_all_rules_side_by_side(setup, tmp_path, capsys):
+def test_eval_writes_all_rules_side_by_side(setup, tmp_path, capsys, generated):
     rc, out = _run(setup, tmp_path, "--profile", "--limit", "4")
     assert rc == 0
     doc = json.loads(out.read_text())
@@ -70,7 +115,6 @@ def test_eval_writes_all_rules_side_by_side(setup, tmp_path, capsys):
     for suite, n in (("chat", 4), ("multi", 3)):
         res = doc["results"][suite]
         assert list(res) == RULES
-        # greedy verification: every rule generates the same tokens
         assert len({res[r]["generated_tokens"] for r in RULES}) == 1
         for rule in RULES:
             m = res[rule]
@@ -87,6 +131,8 @@ def test_eval_writes_all_rules_side_by_side(setup, tmp_path, capsys):
             for rate, a, r in zip(m["slot_acceptance"], m["slot_accepted"], m["slot_reached"]):
                 assert (rate is None and r == 0) or rate == pytest.approx(a / r)
             assert m["slot_reached"][0] == m["verify_steps"]
+    # greedy verification: every rule generates the same tokens (compared token by token)
+    _assert_rules_generate_the_same_tokens(generated, 10, RULES, doc["results"])
     assert set(doc["overall"]) == set(RULES)
     assert doc["overall"]["lilicorr"]["num_prompts"] == 7
     # profile: a stage table per rule, printed too
@@ -103,7 +149,7 @@ def test_eval_writes_all_rules_side_by_side(setup, tmp_path, capsys):
     assert (out.parent / "eval_accept_hist.png").is_file() and (out.parent / "eval_slot_accept.png").is_file()
 
 
-def test_eval_several_seeds_at_temperature(setup, tmp_path):
+def test_eval_several_seeds_at_temperature(setup, tmp_path, generated):
     rc, out = _run(setup, tmp_path, "--temperature", "0.8", "--seed", "0,1,2", "--limit", "3",
                    rules="ar,lilicorr", prompts=str(setup["a"]))
     assert rc == 0
@@ -116,14 +162,23 @@ def test_eval_several_seeds_at_temperature(setup, tmp_path):
         assert m[key] == pytest.approx(sum(vals) / 3)
         assert m["std"][key] == pytest.approx(torch.tensor(vals, dtype=torch.float64).std().item())
     assert "per_seed" not in json.loads(out.read_text())["meta"]
-    # same seeds -> same run (per-request seeds); a different seed set -> different samples
+    first = _tokens_by_rule(generated, 10)
+    assert sorted(seed for _, seed in first) == [0, 1, 2]
+    generated.clear()
+    # same seeds -> the same tokens (per-request seeds); a different seed -> different samples
     rc, out2 = _run(setup, tmp_path / "again", "--temperature", "0.8", "--seed", "0,1,2", "--limit", "3",
                     rules="ar,lilicorr", prompts=str(setup["a"]))
     doc2 = json.loads(out2.read_text())
+    again = _tokens_by_rule(generated, 10)
+    assert again == first
     for s in "012":
         for rule in ("ar", "lilicorr"):
             a, b = doc["results"]["chat"][rule]["per_seed"][s], doc2["results"]["chat"][rule]["per_seed"][s]
             assert a["generated_tokens"] == b["generated_tokens"] and a["tau"] == b["tau"]
+            assert a["slot_acceptance"] == b["slot_acceptance"]
+    for rule in ("ar", "lilicorr"):
+        by_seed = {seed: runs[rule] for (_, seed), runs in first.items()}
+        assert len({repr(t) for t in by_seed.values()}) == 3, f"{rule}: two seeds gave the same samples"
 
 
 def test_eval_greedy_with_several_seeds_runs_once(setup, tmp_path, capsys):
@@ -260,7 +315,7 @@ def test_report_tables_and_plots(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_smollm2_builtin_suite(smollm2_dir, tmp_path):
+def test_eval_smollm2_builtin_suite(smollm2_dir, tmp_path, generated):
     """The real target and a built-in suite through the chat template, untrained drafter."""
     out = tmp_path / "smol.json"
     rc = main(["--target", str(smollm2_dir), "--untrained", "--prompts", "gsm-symbolic,humaneval", "--limit", "2",
@@ -270,7 +325,7 @@ def test_eval_smollm2_builtin_suite(smollm2_dir, tmp_path):
     doc = json.loads(out.read_text())
     assert set(doc["results"]) == {"gsm-symbolic", "humaneval"}
     for suite in doc["results"].values():
-        assert len({suite[r]["generated_tokens"] for r in ("ar", "argmax", "lilicorr")}) == 1
         assert suite["lilicorr"]["tau"] >= 1.0 and suite["ar"]["speedup_vs_ar"] == 1.0
+    _assert_rules_generate_the_same_tokens(generated, 12, ["ar", "argmax", "lilicorr"], doc["results"])
     assert doc["meta"]["stop_ids"] and set(doc["profile"]) == {"ar", "argmax", "lilicorr"}
     assert all((tmp_path / f).is_file() for f in doc["plots"].values())
