@@ -26,6 +26,10 @@ Parts (each guarded: a failure is recorded in the JSON and the rest still runs):
                 lilicorr_compiled    top-K + head + match + walk under torch.compile
                                      (mode reduce-overhead = CUDA graphs; Table 3 col. 3)
                 lilicorr_compiled_full  the same + the drafter backbone compiled (dynamic shapes)
+              Before an optimised run (triton, compiled, compiled_full) is timed, its proposals are
+              compared with the eager path's on the same inputs at every block of a check run
+              (tokens and top-K pools; "proposal_check" in the JSON); a difference is an error and
+              its table column reads "≠ eager".
 Outputs in --out: gpu_check.json (raw, rewritten after every part so a timeout keeps what ran),
 gpu_check.md (tables beside the paper's Table 3), gpu_check.log (this run's log).
 Exit status: 0 all parts ran and every equality check passed; 1 a part failed or a check did not
@@ -63,6 +67,8 @@ STAGE_ROWS = {"target_verify": "Target verify", "draft_backbone": "Draft backbon
               "lm_head_projection": "LM-head projection", "speculative_head": "Speculative head",
               "accept_residual": "Accept and residual"}
 RUNS = ("dflash", "lilicorr_eager", "lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full")
+# runs whose proposals are checked against the eager path's before they are timed
+OPTIMISED_RUNS = ("lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full")
 # which paper column each of our runs is read beside
 PAPER_COLUMN = {"dflash": "dflash", "lilicorr_eager": "lilicorr_eager", "lilicorr_triton": None,
                 "lilicorr_compiled": "lilicorr_optimized", "lilicorr_compiled_full": "lilicorr_optimized"}
@@ -369,6 +375,9 @@ def triton_propose(torch, model, tk):
 
     orig = LiLiCorrModel.propose_from_logits.__get__(model)
 
+    if getattr(model.drafter, "draft_to_target", None) is not None:
+        raise ValueError("the Triton run expects a drafter over the full target vocabulary")
+
     def propose(slot_hidden, slot_logits, target_captured, rule):
         if rule != "lilicorr":
             return orig(slot_hidden, slot_logits, target_captured, rule)
@@ -376,7 +385,13 @@ def triton_propose(torch, model, tk):
         out_vec, in_vec, anchor_out = model.head(cand_ids, feats, slot_hidden, target_captured)
         idx = tk.fused_match_walk(anchor_out, out_vec, in_vec, model.cfg.head.sigma)    # [N, S]
         tokens = torch.gather(cand_ids, -1, idx[..., None]).squeeze(-1)
-        return Proposal(tokens=tokens, cand_ids=cand_ids)
+        # the fused kernel returns the walk only, not the scores: NaN scores (the engine reads them
+        # only for an adaptive draft length, which these runs do not use)
+        n, s, k = cand_ids.shape
+        nan = float("nan")
+        return Proposal(tokens=tokens, cand_ids=cand_ids,
+                        anchor_scores=torch.full((n, k), nan, device=tokens.device),
+                        pair_scores=torch.full((n, s - 1, k, k), nan, device=tokens.device))
 
     return propose
 
@@ -390,7 +405,7 @@ def compiled_propose(torch, model, device, backend: str, mode: str | None):
 
     def core(slot_hidden, slot_logits, target_captured):
         prop = orig(slot_hidden, slot_logits, target_captured, "lilicorr")
-        return prop.tokens, prop.cand_ids
+        return prop.tokens, prop.cand_ids, prop.anchor_scores, prop.pair_scores
 
     kw = {"backend": backend, "dynamic": False}
     if backend == "inductor" and mode and mode != "default":
@@ -403,10 +418,74 @@ def compiled_propose(torch, model, device, backend: str, mode: str | None):
             return orig(slot_hidden, slot_logits, target_captured, rule)
         if graphs:
             torch.compiler.cudagraph_mark_step_begin()
-        tokens, cand_ids = fn(slot_hidden, slot_logits, target_captured)
-        return Proposal(tokens=tokens.clone(), cand_ids=cand_ids.clone())   # outlive the next replay
+        outs = [t.clone() for t in fn(slot_hidden, slot_logits, target_captured)]  # outlive the next replay
+        return Proposal(*outs)
 
     return propose
+
+
+class eager_path:
+    """Context manager: `model` runs its eager reference path inside (no propose override, the
+    drafter uncompiled), and the optimised one again on exit."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.propose = self.model.__dict__.pop("propose_from_logits", None)
+        self.compiled = getattr(self.model.drafter, "_compiled_call_impl", None)
+        if self.compiled is not None:
+            self.model.drafter._compiled_call_impl = None
+        return self.model
+
+    def __exit__(self, *exc):
+        if self.propose is not None:
+            self.model.propose_from_logits = self.propose
+        if self.compiled is not None:
+            self.model.drafter._compiled_call_impl = self.compiled
+        return False
+
+
+def proposal_check(torch, target, model, rule: str, prompt: list[int], blocks: int) -> dict:
+    """The optimised path proposes what the eager path proposes. Runs `blocks` engine steps with the
+    optimised path; at every drafted block the eager path (eager head, match and walk, uncompiled
+    drafter) drafts from the same state (drafter context, anchor, target features) and the two
+    proposals are compared: the drafted tokens and the top-K pools, element by element. Draft
+    calls read the state without changing it, so both see the same inputs; this also warms up
+    (compiles) the optimised path before it is timed."""
+    from lilicorr.draft_runner import TorchDraftRunner
+    from lilicorr.engine import SpecEngine
+
+    b = model.block_size
+    max_tokens = (blocks + 1) * b
+    runner = TorchDraftRunner(model, num_slots=1, capacity=len(prompt) + max_tokens + 2 * b)
+    engine = SpecEngine(target, runner, max_batch=1, max_seq_len=len(prompt) + max_tokens + 2 * b + 8)
+    optimised = runner.draft
+    rec = {"blocks": 0, "slots": 0, "token_mismatches": 0, "pool_mismatches": 0, "first_mismatch_block": None}
+
+    def checked_draft(*args):
+        prop = optimised(*args)
+        with eager_path(model):
+            ref = optimised(*args)
+        bad_tokens = int((prop.tokens.cpu() != ref.tokens.cpu()).sum())
+        bad_pools = int((prop.cand_ids.cpu() != ref.cand_ids.cpu()).any(-1).sum())
+        if (bad_tokens or bad_pools) and rec["first_mismatch_block"] is None:
+            rec["first_mismatch_block"] = rec["blocks"]
+        rec["blocks"] += 1
+        rec["slots"] += int(prop.tokens.numel())
+        rec["token_mismatches"] += bad_tokens
+        rec["pool_mismatches"] += bad_pools
+        return prop
+
+    runner.draft = checked_draft
+    rid = engine.add_request(prompt, max_tokens=max_tokens, rule=rule)
+    engine.step()                                       # prefill
+    for _ in range(blocks):
+        if any(ev.finished for ev in engine.step()):
+            break
+    engine.cancel(rid)
+    rec["equal"] = rec["blocks"] > 0 and rec["token_mismatches"] == 0 and rec["pool_mismatches"] == 0
+    return rec
 
 
 def run_blocks(torch, target, model, rule: str, prompt: list[int], warmup: int, blocks: int) -> dict:
@@ -532,6 +611,19 @@ def stage_check(torch, rep: Report, args, device, dtype) -> dict:
                     if name == "lilicorr_compiled_full":
                         model.drafter.compile(backend=backend, dynamic=True)
                         entry["compiled"].append(f"drafter backbone (backend {backend}, dynamic shapes)")
+            if name in OPTIMISED_RUNS:
+                # before timing: the optimised proposals must equal eager's on the same inputs
+                check = proposal_check(torch, target, model, rule, prompt, warmup + blocks)
+                entry["proposal_check"] = check
+                rep.log(f"  {name}: proposals vs eager over {check['blocks']} blocks ({check['slots']} slots): "
+                        f"{'equal' if check['equal'] else 'DIFFERENT'} ({check['token_mismatches']} token / "
+                        f"{check['pool_mismatches']} pool mismatches)")
+                if not check["equal"]:
+                    rep.data["errors"].append({
+                        "part": f"stages/{name}",
+                        "error": f"proposals differ from eager ({check['token_mismatches']} of {check['slots']} "
+                                 f"drafted tokens, {check['pool_mismatches']} pools, first at block "
+                                 f"{check['first_mismatch_block']}): its timing is not of the same computation"})
             r = run_blocks(torch, target, model, rule, prompt, warmup, blocks)
             entry.update(r)
             entry["status"] = "ok"
@@ -611,6 +703,8 @@ def markdown(data: dict) -> str:
                 return "n/a"
             if "table" not in c:
                 return "failed" if c.get("status") == "error" else _f(c.get(key), 2)
+            if not c.get("proposal_check", {}).get("equal", True):
+                return "≠ eager"               # the proposals differ: not the same computation
             t = c["table"]
             if key == "per_block_wall":
                 return _f(t["per_block_wall_ms"])
@@ -641,8 +735,13 @@ def markdown(data: dict) -> str:
         for n in RUNS:
             c = runs.get(n)
             if c and c.get("status") == "ok":
+                pc = c.get("proposal_check")
+                check = "" if pc is None else (
+                    f", proposals equal to eager's over {pc['blocks']} blocks ({pc['slots']} drafted tokens)"
+                    if pc["equal"] else f", **proposals differ from eager's** ({pc['token_mismatches']} of "
+                                        f"{pc['slots']} tokens, {pc['pool_mismatches']} pools): timing not comparable")
                 extra.append(f"- {n}: rule {c['rule']}, warm-up (incl. compile) {c['warmup_s']:.1f} s, "
-                             f"prefill {c['prefill_s']:.2f} s, tau {c['tau']:.2f}"
+                             f"prefill {c['prefill_s']:.2f} s, tau {c['tau']:.2f}" + check
                              + (f", compiled: {'; '.join(c['compiled'])}" if c.get("compiled") else ""))
             elif c:
                 extra.append(f"- {n}: FAILED {c.get('error')}")

@@ -1,9 +1,12 @@
-"""deploy/gpu_check.py: the CPU dry-run (--small) completes and writes the JSON / markdown the GPU
-session will produce, and the guards (no CUDA, dry-run into results/) fail fast with exit 2.
+"""deploy/gpu_check.py: the CPU dry-run (--small) completes and writes the JSON / markdown a GPU
+run will produce, the optimised runs' proposals are checked against eager's before they are timed
+(and a wrong optimised path is caught), and the guards (no CUDA, dry-run into results/) fail fast
+with exit 2.
 
 The dry-run takes about 30-75 s on 2 shared cores (Triton interpreter + five engine runs), so it
 is marked slow.
 """
+import importlib.util
 import json
 import os
 import subprocess
@@ -88,6 +91,12 @@ def test_small_cpu_dry_run(tmp_path):
     assert s["runs"]["dflash"]["rule"] == "argmax"
     assert s["runs"]["lilicorr_eager"]["rule"] == "lilicorr"
     assert s["runs"]["lilicorr_compiled"]["compiled"]
+    # the optimised runs were checked against eager before timing: same proposals at every block
+    for name in ("lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full"):
+        pc = s["runs"][name]["proposal_check"]
+        assert pc["equal"] is True and pc["blocks"] >= 3 and pc["slots"] == pc["blocks"] * 15, (name, pc)
+        assert pc["token_mismatches"] == 0 and pc["pool_mismatches"] == 0
+    assert "proposal_check" not in s["runs"]["dflash"] and "proposal_check" not in s["runs"]["lilicorr_eager"]
 
     cfg = data["config"]
     assert cfg["target"]["qk_norm"] is True and cfg["head"]["top_k"] == 8
@@ -95,4 +104,37 @@ def test_small_cpu_dry_run(tmp_path):
 
     md = (out / "gpu_check.md").read_text()
     assert "DRY RUN" in md and "Paper LiLiCorr eager" in md and "| Speculative head |" in md
+    assert md.count("proposals equal to eager's over 3 blocks") == 3 and "≠ eager" not in md
     assert (out / "gpu_check.log").read_text()
+
+
+def _gpu_check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@torch.no_grad()
+def test_proposal_check_catches_a_wrong_optimised_path():
+    """The check compares against the eager path on the same inputs: an optimised propose that
+    walks differently (here: always the second candidate) is caught; the Triton path is not."""
+    gc = _gpu_check_module()
+    from lilicorr.model import LiLiCorrModel, Proposal
+
+    target = gc.build_target(torch, gc.target_config(True), torch.device("cpu"), torch.float32)
+    model = gc.build_lilicorr(torch, target, gc.lilicorr_config(True), torch.device("cpu"), torch.float32, 0)
+    prompt = list(range(5, 37))
+    eager = LiLiCorrModel.propose_from_logits.__get__(model)
+
+    def second_best(slot_hidden, slot_logits, target_captured, rule):
+        p = eager(slot_hidden, slot_logits, target_captured, rule)
+        return Proposal(p.cand_ids[..., 1], p.cand_ids, p.anchor_scores, p.pair_scores)
+
+    model.propose_from_logits = second_best
+    bad = gc.proposal_check(torch, target, model, "lilicorr", prompt, 2)
+    assert bad["equal"] is False and bad["token_mismatches"] > 0 and bad["first_mismatch_block"] == 0
+    assert model.propose_from_logits is second_best          # the optimised path is restored after each block
+    model.__dict__.pop("propose_from_logits")
+    same = gc.proposal_check(torch, target, model, "lilicorr", prompt, 2)
+    assert same["equal"] is True and same["blocks"] == 2
