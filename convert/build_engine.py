@@ -29,6 +29,11 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=2048, help="TensorRT profile: max cached context (2048)")
     p.add_argument("--compute-capabilities", default=None,
                    help="TensorRT-RTX targets, comma separated (default SM80,SM86,SM89,SM120)")
+    p.add_argument("--serve-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="target dtype the manifest asks servers to use (auto: bf16 where the machine has "
+                        "native bf16 matmuls, else fp32)")
+    p.add_argument("--draft-length", default="",
+                   help="drafted tokens verified per step recorded for serving: N or auto (default: whole block)")
     p.add_argument("--yarn-factor", type=float, default=None, help="bake YaRN rope scaling into the graphs")
     p.add_argument("--tolerance", type=float, default=1e-3,
                    help="max abs error ORT vs PyTorch above which the build fails (default 1e-3)")
@@ -44,6 +49,7 @@ def main(argv=None) -> int:
     opts = BuildOptions(backend=args.backend, max_batch=args.max_batch, max_context=args.max_context,
                         compute_capabilities=args.compute_capabilities.split(",") if args.compute_capabilities else None,
                         yarn_factor=args.yarn_factor, tolerance=args.tolerance,
+                        dtype=args.serve_dtype, draft_length=args.draft_length,
                         log=lambda *a: print(*a, flush=True))
     try:
         out = build_engine_dir(args.ckpt, args.target, args.out, opts)

@@ -89,11 +89,17 @@ class DraftGraph(nn.Module):
         kv = [(ctx_kv[2 * i], ctx_kv[2 * i + 1]) for i in range(len(ctx_kv) // 2)]
         mask = inference_attention_mask(ctx_lengths, ctx_kv[0].shape[2], b)    # [N, 1, B, C+B]
         slot_hidden = d(emb, pos, kv, mask)[:, 1:]                             # [N, S, H]
-        slot_logits = d.logits(slot_hidden)                                    # [N, S, V]
+        slot_logits = d.logits(slot_hidden)                                    # [N, S, V']
+        id_map = getattr(d, "draft_to_target", None)    # [V'] target id per draft-vocabulary entry
         if m.head is None:
             cand_ids = torch.topk(slot_logits, m.cfg.head.top_k, dim=-1).indices   # [N, S, K]
+            if id_map is not None:
+                cand_ids = id_map[cand_ids]                                    # constant gather: target ids
             return cand_ids[..., 0], cand_ids
-        cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k)
+        if id_map is None:
+            cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k)
+        else:                       # top-K over the draft vocabulary, then a constant gather to target ids
+            cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k, id_map=id_map)
         out_vec, in_vec, anchor_out = m.head(cand_ids, cand_feats, slot_hidden, target_state)
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, m.cfg.head.sigma)
         idx = lattice.greedy_walk(anchor_scores, pair_scores)                  # [N, S]
@@ -408,6 +414,8 @@ class BuildOptions:
     compute_capabilities: list[str] | None = None   # TensorRT-RTX targets (default SM80/86/89/120)
     yarn_factor: float | None = None    # bake YaRN rope scaling into the graphs
     tolerance: float = 1e-3             # max abs error (ORT vs torch) above which the build fails
+    dtype: str = "auto"                 # serving dtype of the target recorded in the manifest
+    draft_length: str = ""              # serving draft length recorded in the manifest ("", N, auto)
     draft_cases: tuple = DRAFT_CASES
     context_cases: tuple = CONTEXT_CASES
     log: object = field(default=print, repr=False)
@@ -655,6 +663,10 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             "target_dir": tpath, "ckpt": cpath,
             "block_size": d.block_size, "top_k": h.top_k, "sigma": h.sigma, "has_head": has_head,
             "dtype": "float32",
+            # how to serve this engine: target dtype ("auto" = bf16 where the machine has native bf16
+            # matmuls) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
+            "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or "")},
+            "draft_vocab_size": int(getattr(d, "draft_vocab_size", 0) or 0),
             "checkpoint": {"path": cpath, "sha256": weights_sha, "config_sha256": file_sha256(ckpt_dir / CONFIG),
                            "step": ckpt_io.read_meta(ckpt_dir).get("step")},
             "target": {"path": tpath, **target_record(target, target_dir), "yarn_factor": opts.yarn_factor},
