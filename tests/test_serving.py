@@ -823,6 +823,24 @@ def test_clean_shutdown_leaves_nothing(serving_target, tiny_engine_dir, tokenize
     gs = client.stream("hello", max_tokens=LONG, decode_rule="ar", ignore_eos=True)
     next(iter(gs))
     gs.cancel()
+    # requests Triton itself rejects (unknown input, wrong dtype or shape) release everything
+    import tritonclient.grpc as g
+
+    def tensor(name, arr, dt):
+        t = g.InferInput(name, list(arr.shape), dt)
+        t.set_data_from_numpy(arr)
+        return t
+    text = tensor("text_input", np.array([b"hi"], dtype=np.object_), "BYTES")
+    for model, inputs in [("lilicorr", [tensor("input_ids", np.array([1, 2], np.int64), "INT64")]),
+                          ("lilicorr", [tensor("input_ids", np.array([[1, 2]], np.int32), "INT32")]),
+                          ("lilicorr", [tensor("input_ids", np.array([1, 2], np.int32), "INT32"),
+                                        tensor("bogus", np.array([1], np.int32), "INT32")]),
+                          ("ensemble", [text, tensor("bogus", np.array([1], np.int32), "INT32")]),
+                          ("ensemble", [text, tensor("max_tokens", np.array([3], np.int64), "INT64")])]:
+        c, q = _raw_stream(srv, model, inputs)
+        assert q.get(timeout=60)[1] is not None
+        c.stop_stream()
+        c.close()
     # requests still streaming at shutdown complete (stop() drains the ensemble first)
     prompts = ["hello", "how are you", "write code", "what is the answer"]
     streams = [client.stream(p, max_tokens=LONG, decode_rule=RULES[i], ignore_eos=True)
@@ -831,17 +849,21 @@ def test_clean_shutdown_leaves_nothing(serving_target, tiny_engine_dir, tokenize
         next(iter(gs))                  # really in flight
     out: dict[int, object] = {}
 
+    ended: list[float] = []
+
     def read(i):
         try:
             out[i] = streams[i].result()
         except Exception as e:  # noqa: BLE001
             out[i] = e
+        ended.append(time.time())
     readers = [threading.Thread(target=read, args=(i,)) for i in range(len(streams))]
     for r in readers:
         r.start()
     t0 = time.time()
     in_flight = sum(1 for i in range(len(streams)) if i not in out)
     rc = srv.stop()
+    t_stopped = time.time()
     for r in readers:
         r.join(60)
     assert in_flight >= 1, "every stream ended before stop(): the drain was not exercised"
@@ -850,7 +872,9 @@ def test_clean_shutdown_leaves_nothing(serving_target, tiny_engine_dir, tokenize
         assert isinstance(res, GenerationResult), res
         assert res.finish_reason == "length" and res.num_tokens == LONG
         assert res.token_ids == reference(chat_ids(tokenizer, p), LONG, RULES[i], ignore_eos=True).tokens
-    assert time.time() - t0 < 30
+    # the streams ran to their end within the drain deadline (default 30 s); then the models
+    # unloaded and the server exited promptly
+    assert max(ended) - t0 < srv.drain_timeout and t_stopped - max(ended) < 30
     assert rc == 0, srv.log_tail()
     assert leftover_shm(prefix) == []
     assert not workdir.exists()

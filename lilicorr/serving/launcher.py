@@ -352,6 +352,7 @@ class TritonServer:
         self.abort: "threading.Event | None" = None    # set it to give up waiting for readiness
         self._log_fh = None
         self._reaper: subprocess.Popen | None = None
+        self.killed = False        # stop() had to SIGKILL a server that did not exit by itself
 
     # ------------------------------------------------------------------ urls
     @property
@@ -519,15 +520,40 @@ class TritonServer:
         except ValueError:
             return None
 
-    def _unload(self, names: Sequence[str], deadline: float) -> bool:
+    def engine_busy(self) -> bool | None:
+        """Whether the lilicorr engine holds active or waiting requests (its /metrics gauges);
+        None when the metrics cannot be read."""
+        try:
+            with urllib.request.urlopen(self.metrics_url, timeout=5.0) as r:
+                text = r.read().decode(errors="replace")
+        except (urllib.error.URLError, ConnectionError, socket.timeout, OSError):
+            return None
+        busy, seen = 0.0, False
+        for line in text.splitlines():
+            if line.startswith("lilicorr_requests{"):
+                seen = True
+                busy += float(line.rsplit(None, 1)[-1])
+        return busy > 0 if seen else None
+
+    def _unload(self, names: Sequence[str], deadline: float, idle_grace: float = 3.0) -> bool:
+        """Unload `names` and wait until they are gone, at most until `deadline`, or until the
+        engine has been idle for `idle_grace` s while they still are not (tritonserver 2.51 keeps
+        a model referenced while any client holds a gRPC stream open on it)."""
         for m in names:
             self._http_post(f"/v2/repository/models/{m}/unload", timeout=5.0, admin=True)
+        idle_since = None
         while time.monotonic() < deadline:
             states = self.model_states()
             if states is None:
                 return False
             if all(states.get(m, "UNAVAILABLE") not in ("READY", "UNLOADING", "LOADING") for m in names):
                 return True
+            if self.engine_busy() is not True:     # idle, or the engine model is gone already
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > idle_grace:
+                    return False
+            else:
+                idle_since = None
             time.sleep(0.1)
         return False
 
@@ -578,6 +604,7 @@ class TritonServer:
                 try:
                     self.proc.wait(wait)
                 except subprocess.TimeoutExpired:
+                    self.killed = True
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(self.proc.pid, signal.SIGKILL)
                     self.proc.wait(10)

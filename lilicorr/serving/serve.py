@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.drain_timeout:g} s), then shutting down", flush=True)
         finally:
             rc = server.stop()
+        if server.killed:
+            print("[serve] tritonserver did not exit within its exit timeout (a client keeping a gRPC "
+                  "stream open holds it in 2.51); it was killed", file=sys.stderr, flush=True)
         print(f"[serve] stopped (tritonserver exit code {rc})", flush=True)
         return 0 if rc == 0 else 1
     finally:
