@@ -989,8 +989,7 @@ def _children(pid: int) -> list[int]:
 @integration
 def test_sigkill_of_the_launcher_leaves_no_orphan(tiny_engine_dir):
     """SIGKILL of deploy/serve.py takes tritonserver and its stubs with it (parent-death signal +
-    reaper): the ports are free again and no shared memory or temp folder stays behind. A port
-    already in use is reported in one line before tritonserver starts."""
+    reaper): the ports are free again and no shared memory or temp folder stays behind."""
     from lilicorr.serving.launcher import port_in_use
     if not have_tritonserver():
         pytest.skip("no tritonserver")
@@ -1017,16 +1016,28 @@ def test_sigkill_of_the_launcher_leaves_no_orphan(tiny_engine_dir):
             break
         time.sleep(0.2)
     assert not any(left.values()), left
-    # stale-port check: a port in use stops the launch at once with one clear line
+
+
+@integration
+def test_serve_checks_ports_and_warns_beyond_loopback(tiny_engine_dir):
+    """A port in use stops the launch before tritonserver starts, in one clear line; binding
+    beyond loopback without an admin key prints a warning first (not with a key)."""
     import socket
+    if not have_tritonserver():
+        pytest.skip("no tritonserver")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        res = subprocess.run(_serve_cmd(tiny_engine_dir, [busy, free_port(), free_port()]), capture_output=True,
-                             text=True, timeout=120, cwd=REPO)
-    assert res.returncode == 1
-    assert f"serve: error: grpc port {busy} on 127.0.0.1 is already in use" in res.stderr, res.stderr[-2000:]
+        env = {k: v for k, v in os.environ.items() if k != "LILICORR_ADMIN_KEY"}
+        runs = {extra: subprocess.run(_serve_cmd(tiny_engine_dir, [busy, free_port(), free_port()], *extra),
+                                      capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+                for extra in [(), ("--host", "0.0.0.0"), ("--host", "0.0.0.0", "--admin-key", "k")]}
+    for extra, res in runs.items():
+        host = "0.0.0.0" if extra else "127.0.0.1"
+        assert res.returncode == 1, res.stderr[-2000:]
+        assert f"serve: error: grpc port {busy} on {host} is already in use" in res.stderr, res.stderr[-2000:]
+        assert ("beyond loopback, without an admin key" in res.stderr) == (extra == ("--host", "0.0.0.0"))
 
 
 def test_serve_has_no_engine_factory_hook():

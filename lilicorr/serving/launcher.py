@@ -248,13 +248,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _find_prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):     # not Linux/glibc: the reaper alone cleans up
+        return None
+
+
+_PRCTL = _find_prctl()     # resolved here: the child of a fork must not dlopen
+
+
 def _die_with_parent(parent: int) -> None:
     """preexec_fn of tritonserver: SIGKILL when the launching thread dies (Linux prctl)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):
+    if _PRCTL is None:
         return
+    _PRCTL(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
     if os.getppid() != parent:      # the launcher died before prctl took effect
         os._exit(1)
 
