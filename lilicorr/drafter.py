@@ -177,7 +177,12 @@ class DFlashDrafter(nn.Module):
         d2t = self.draft_to_target
         if d2t is None:
             return w
-        key = (d2t.data_ptr(), d2t._version, w.data_ptr(), w._version, w.dtype, w.device)
+        if torch.compiler.is_compiling() or torch.onnx.is_in_onnx_export():
+            return w[d2t]                          # traced graphs (ONNX, torch.export): a plain gather
+        try:
+            key = (d2t.data_ptr(), d2t._version, w.data_ptr(), w._version, w.dtype, w.device)
+        except RuntimeError:                       # tensors without storage (fake / functional)
+            return w[d2t]
         if self._draft_weight_cache is None or self._draft_weight_cache[0] != key:
             self._draft_weight_cache = (key, w.detach()[d2t].contiguous())
         return self._draft_weight_cache[1]

@@ -368,3 +368,43 @@ def test_smollm2_ort_equals_torch(smollm2_dir, tmp_path):
         eng = SpecEngine.from_paths(smollm2_dir, engine_dir=out, draft_backend=backend, max_batch=2, max_seq_len=256)
         res[backend] = [r.tokens for r in eng.generate(prompts, 16, rule="lilicorr")]
     assert res["torch"] == res["onnxruntime"]
+
+
+def test_draft_vocabulary_engine_equals_torch_and_ar(llama_dir, tmp_path):
+    """A checkpoint with a draft vocabulary exports its id map into the graph: ONNX Runtime drafts
+    the same target ids as PyTorch, only ids of the draft vocabulary, and output stays the target's."""
+    import dataclasses
+
+    from lilicorr.engine import SpecEngine
+    from lilicorr.model import LiLiCorrModel
+
+    target = load_target(llama_dir)
+    base = untrained_model(target, seed=3)
+    cfg = dataclasses.replace(base.cfg, drafter=dataclasses.replace(base.cfg.drafter, draft_vocab_size=40))
+    torch.manual_seed(3)
+    model = LiLiCorrModel(cfg, target)
+    vocab = sorted({2, *range(7, 96, 2)})[:40]
+    model.drafter.set_draft_vocab(vocab)
+    ckpt = ckpt_io.save_checkpoint(tmp_path / "ckpt", model.cfg, model.state_dict(), target.config, {"step": 0})
+    engine_dir = build_engine_dir(ckpt, llama_dir, tmp_path / "engine", BuildOptions(log=None))
+    assert json.loads((engine_dir / "manifest.json").read_text())["draft_vocab_size"] == 40
+
+    def run(backend):
+        eng = SpecEngine.from_paths(llama_dir, engine_dir=engine_dir, draft_backend=backend, max_batch=4,
+                                    max_seq_len=128)
+        pools = []
+        inner = eng.runner.draft
+
+        def spy(*args, **kw):
+            p = inner(*args, **kw)
+            pools.append(p.cand_ids.clone())
+            return p
+        eng.runner.draft = spy
+        return {rule: [r.tokens for r in eng.generate(PROMPTS, 10, rule=rule)]
+                for rule in ("lilicorr", "argmax")}, pools
+
+    (tok_t, pools_t), (tok_o, pools_o) = run("torch"), run("onnxruntime")
+    ar = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128).generate(PROMPTS, 10, rule="ar")
+    assert tok_t == tok_o and all(tok_o[r] == [x.tokens for x in ar] for r in tok_o)
+    assert len(pools_t) == len(pools_o) and all(torch.equal(a, b) for a, b in zip(pools_t, pools_o))
+    assert set(torch.cat([p.flatten() for p in pools_o]).tolist()) <= set(vocab)
