@@ -170,7 +170,7 @@ def main() -> int:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
-    stems = [f"eval-{m}{suffix}" for m in MODELS for suffix in ("", "-t1")]
+    stems = [f"eval-{m}{suffix}" for m in MODELS for suffix in ("", "-chat", "-t1")]
     if work.is_dir():                                   # collect: WORK -> committed files in OUT
         stats = collect_stats(work)
         stats["evals"] = [st for st in stems if (work / f"{st}.json").exists()]
@@ -256,7 +256,8 @@ def main() -> int:
     if evals:
         lines += ["## Evaluation (greedy, tau / tokens per s / speedup over ar)", ""]
         rows = []
-        for m, doc in evals.items():
+        chat = {m: d for m in MODELS if (d := run_eval(f"eval-{m}-chat")) is not None}   # greedy, chat suite
+        for m, doc in list(evals.items()) + list(chat.items()):
             for suite, per_rule in doc["results"].items():
                 for rule, r in per_rule.items():
                     r0 = r if "tau" in r else next(iter(r.values()))
@@ -324,7 +325,7 @@ def main() -> int:
                   "    bash scripts/cpu_experiment.sh features && bash scripts/cpu_experiment.sh train",
                   "    bash scripts/cpu_experiment.sh eval && bash scripts/cpu_experiment.sh eval-t1",
                   "    python scripts/cpu_report.py", "", "The eval runs it made:", ""]
-        lines += [f"    {doc['meta']['command']}" for doc in evals.values()] + [""]
+        lines += [f"    {doc['meta']['command']}" for doc in list(evals.values()) + list(chat.values())] + [""]
     (out / "README.md").write_text("\n".join(lines))
     print(out / "README.md")
     return 0
