@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Closed-loop load benchmark of the LiLiCorr Triton server: every rule side by side per concurrency.
+"""Closed-loop load benchmark of the LiLiCorr Triton server: every rule in one run, one after another at each concurrency.
 
     python deploy/bench.py --url 127.0.0.1:8001 --prompts humaneval --limit 32 \\
         --concurrency 1,2,4,8,16,32 --rules ar,argmax,lilicorr --max-tokens 128 --json results/bench.json

@@ -1,10 +1,12 @@
-"""Evaluate decode rules side by side: `python -m lilicorr.eval` (DESIGN.md §6).
+"""Evaluate decode rules in one run: `python -m lilicorr.eval` (DESIGN.md §6).
 
     python -m lilicorr.eval --target DIR --ckpt DIR --prompts humaneval,math500 \\
         --rules ar,argmax,lilicorr,viterbi --max-tokens 256 --json results/eval.json \\
         [--temperature T --seed 0,1,2 --limit N --batch-size N --profile --engine ENGINE_DIR --untrained]
 
-One process, one SpecEngine, the same prompts for every rule: each prompt is rendered with the
+One process, one SpecEngine, the same prompts for every rule; the rules run one after another
+(all prompts of a suite under one rule, then the next rule), so a change in machine load during
+the run shows up as a difference between rules. Each prompt is rendered with the
 target's chat template (lilicorr.tokenizer), decoding stops at the tokenizer's EOS ids or after
 --max-tokens. For each suite and rule OUT.json holds tau (accepted tokens incl. bonus / verify
 steps), oracle_tau (a perfect reranker over the drafter's top-K pools), tokens_per_s,

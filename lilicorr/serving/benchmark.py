@@ -2,8 +2,8 @@
 
 One *cell* = one decode rule at one concurrency: ``concurrency`` client threads, each sending its
 next prompt as soon as its previous request finished, each request on its own gRPC stream.
-Rules run side by side at every concurrency (ar first), so speedup over ``ar`` is always measured
-in the same run on the same machine (DESIGN.md §6).
+At every concurrency the rules run one after another in the same run (ar first), so speedup over
+``ar`` is always measured on the same machine minutes apart, never across runs (DESIGN.md §6).
 
 Per cell: output tokens/s (all tokens / cell wall time), tau (sum of accepted incl. bonus / sum of
 verify steps over the cell's requests), p50/p99 TTFT and per-token latency (TPOT: time from the
