@@ -11,7 +11,8 @@
 #             rebuilt when the data changed.
 #   train     ARMS side by side at the same budget: STEPS steps of BATCH sequences, ANCHORS
 #             anchors per sequence, a DRAFT_VOCAB draft vocabulary, a checkpoint every SAVE_EVERY.
-#   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows.
+#   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows;
+#             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
 #   eval-chat greedy on the general-chat suite (prompts in no training file).
 #   eval-t1   temperature 1 over SEEDS: argmax on the vanilla drafter, lilicorr on the joint one.
 # DTYPE (float32 | bfloat16) is the target's dtype in regen, features and eval; the default is the
@@ -120,7 +121,7 @@ evaluate() {  # model, rules, extra flags; skipped when its JSON exists (delete 
     > "$W/eval-$1${4:-}.log" 2>&1
 }
 eval_greedy() {
-  evaluate lilicorr ar,argmax,lilicorr,viterbi & local a=$!
+  evaluate lilicorr "${GREEDY_RULES:-ar,argmax,lilicorr,viterbi}" & local a=$!
   { evaluate vanilla ar,argmax && evaluate nodist ar,lilicorr && evaluate margin ar,lilicorr; } & local b=$!
   wait_all $a $b || { echo "an eval run failed: see $W/eval-*.log"; exit 1; }
 }
