@@ -811,6 +811,15 @@ def _our_tmp_dirs() -> set[str]:
 def test_clean_shutdown_leaves_nothing(serving_target, tiny_engine_dir, tokenizer, reference, tmp_path):
     dirs_before = _our_tmp_dirs()
     srv = start_server(engine_repository(serving_target, tiny_engine_dir, tmp_path / "repo"))
+    try:
+        _clean_shutdown(srv, tokenizer, reference, dirs_before)
+    finally:
+        if srv.proc is not None:        # failed half-way: stop it, and show its log
+            srv.stop(drain_timeout=0)
+            print(srv.log_tail(200))
+
+
+def _clean_shutdown(srv, tokenizer, reference, dirs_before):
     pgid = srv.proc.pid
     workdir = srv.workdir
     prefix = srv.shm_prefix
@@ -909,7 +918,7 @@ def test_shutdown_with_a_client_holding_its_stream_open(serving_target, tiny_eng
 def _serve_cmd(engine: Path, ports: list[int], *extra: str) -> list[str]:
     return [sys.executable, str(REPO / "deploy" / "serve.py"), "--engine", str(engine), "--num-threads", "1",
             "--device", "cpu", "--max-seq-len", str(MAX_SEQ_LEN), "--grpc-port", str(ports[0]),
-            "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), *extra]
+            "--http-port", str(ports[1]), "--metrics-port", str(ports[2]), "--startup-timeout", "240", *extra]
 
 
 def _wait_serve_ready(proc, timeout: float = 240) -> list[str]:
