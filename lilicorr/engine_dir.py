@@ -8,6 +8,9 @@ Layout (engines/README.md describes every manifest field):
     context.onnx        captured target features -> per-layer drafter context K/V
     draft.onnx          anchor + cached context K/V -> drafted tokens, top-K pools, lattice scores;
                         lilicorr::LatticeMatch / GreedyWalk nodes + their ONNX local functions
+    draft.backbone.onnx, draft.lm_head.onnx, draft.head.onnx
+                        draft.onnx cut at slot_hidden / slot_logits: one ONNX Runtime session per
+                        stage of the stage table (bit-identical to draft.onnx)
     *.ort.onnx          ONNX Runtime-optimised copies (backend onnxruntime)
     *.plan              serialized TensorRT / TensorRT-RTX engines (backends tensorrt*)
     model.yaml          TensorRT-LLM LLM-API arguments for NGC containers (llmapi Triton model)

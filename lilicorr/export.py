@@ -9,6 +9,9 @@ Two graphs, so the drafter's context cache lives outside them (in the runtime's 
                   -> tokens [N, S] i64 (greedy walk, Eq. 8), cand_ids [N, S, K] i64,
                      anchor_scores [N, K], pair_scores [N, S-1, K, K] (head only)
 
+    draft.{backbone,lm_head,head}.onnx  draft.onnx cut at slot_hidden and slot_logits (`split_draft`):
+                  one ONNX Runtime session per stage of the stage table; bit-identical to draft.onnx
+
 N (rows), T (new context tokens) and C (cached context length) are dynamic. The draft graph of a
 LiLiCorr checkpoint carries the custom nodes lilicorr::LatticeMatch and lilicorr::GreedyWalk
 (plugin_namespace="lilicorr", plugin_version="1") plus their ONNX local functions, so ONNX
@@ -42,8 +45,15 @@ from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REP
                                  file_sha256, portable_path, target_record, write_manifest)
 from lilicorr.head import top_k_candidates
 from lilicorr.ort_runner import context_io_names, draft_io_names, ort_session
+from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD
 
 CONTEXT_ONNX, DRAFT_ONNX = "context.onnx", "draft.onnx"
+# the draft graph cut into three parts at these tensors, one ONNX Runtime session (and one stage of
+# the stage table) each; draft.onnx stays whole for TensorRT and as the reference
+DRAFT_CUTS = ("slot_hidden", "slot_logits")
+DRAFT_PARTS = ("backbone", "lm_head", "head")
+DRAFT_PART_FILES = {p: f"draft.{p}.onnx" for p in DRAFT_PARTS}
+DRAFT_PART_STAGES = {"backbone": STAGE_DRAFT, "lm_head": STAGE_LM_HEAD, "head": STAGE_HEAD}
 ORT_SUFFIX = ".ort.onnx"
 OPSET = 20
 ORT_LEVEL = "ORT_ENABLE_EXTENDED"    # saved optimised graphs stay portable across CPUs
@@ -75,11 +85,14 @@ class ContextGraph(nn.Module):
 
 
 class DraftGraph(nn.Module):
-    """One block per row over the cached context; see the module docstring for the I/O."""
+    """One block per row over the cached context; see the module docstring for the I/O. With
+    `taps`, the cut tensors of the three-part split (`DRAFT_CUTS`: slot_hidden, slot_logits) are
+    extra outputs after the usual ones."""
 
-    def __init__(self, model):
+    def __init__(self, model, taps: bool = False):
         super().__init__()
         self.model = model
+        self.taps = taps
 
     def forward(self, anchor_ids, anchor_pos, ctx_lengths, ctx_kv, target_state=None):
         m = self.model
@@ -95,7 +108,8 @@ class DraftGraph(nn.Module):
             cand_ids = torch.topk(slot_logits, m.cfg.head.top_k, dim=-1).indices   # [N, S, K]
             if id_map is not None:
                 cand_ids = id_map[cand_ids]                                    # constant gather: target ids
-            return cand_ids[..., 0], cand_ids
+            out = (cand_ids[..., 0], cand_ids)
+            return out + (slot_hidden, slot_logits) if self.taps else out
         if id_map is None:
             cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k)
         else:                       # top-K over the draft vocabulary, then a constant gather to target ids
@@ -104,7 +118,8 @@ class DraftGraph(nn.Module):
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, m.cfg.head.sigma)
         idx = lattice.greedy_walk(anchor_scores, pair_scores)                  # [N, S]
         tokens = torch.gather(cand_ids, -1, idx[..., None]).squeeze(-1)        # [N, S]
-        return tokens, cand_ids, anchor_scores, pair_scores
+        out = (tokens, cand_ids, anchor_scores, pair_scores)
+        return out + (slot_hidden, slot_logits) if self.taps else out
 
 
 def context_inputs(model, n: int, t: int, seed: int = 0, start: int = 0):
@@ -223,8 +238,9 @@ def export_context(model, path) -> "onnx.ModelProto":
     return proto
 
 
-def export_draft(model, path) -> "onnx.ModelProto":
-    """Write draft.onnx (+ local functions of the lilicorr nodes) for `model` to `path`."""
+def _export_draft_tapped(model):
+    """The draft graph with the cut tensors (DRAFT_CUTS) as extra outputs, initializers merged
+    and the lilicorr local functions attached."""
     from lilicorr.plugins import onnx_functions
 
     cfg = model.cfg.drafter
@@ -236,15 +252,149 @@ def export_draft(model, path) -> "onnx.ModelProto":
     shapes = [{0: n_dim}, {0: n_dim}, {0: n_dim}, [{0: n_dim, 2: c_dim} for _ in args[3]]]
     if has_head:
         shapes.append({0: n_dim})
-    proto = _onnx_export(DraftGraph(model), args, tuple(shapes), ins, outs)
+    proto = _onnx_export(DraftGraph(model, taps=True), args, tuple(shapes), ins, outs + list(DRAFT_CUTS))
     dedupe_initializers(proto)
     if has_head:
         onnx_functions.add_local_functions(proto)
+    return proto
+
+
+def export_draft(model, path, parts_dir=None) -> "onnx.ModelProto":
+    """Write draft.onnx (+ local functions of the lilicorr nodes) for `model` to `path`; with
+    `parts_dir`, also its three-part split there (`split_draft`, files DRAFT_PART_FILES)."""
+    import onnx
+
+    tapped = _export_draft_tapped(model)
+    proto = onnx.ModelProto()
+    proto.CopyFrom(tapped)
+    n_out = len(draft_io_names(model.cfg.drafter.num_layers, model.head is not None)[1])
+    del proto.graph.output[n_out:]                     # the cut tensors stay internal in draft.onnx
     proto.doc_string = ("lilicorr draft block: anchor + cached context K/V -> drafted tokens (greedy walk), "
                         "top-K candidates, lattice scores")
-    embed = model.drafter.embed.weight
-    _save(proto, Path(path), _param_bytes(model, [embed, model.drafter.lm_head.weight]))
+    _save(proto, Path(path), _proto_bytes(proto))
+    if parts_dir is not None:
+        split_draft(tapped, parts_dir)
     return proto
+
+
+def _proto_bytes(proto) -> int:
+    from onnx import numpy_helper
+
+    return sum(len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in proto.graph.initializer)
+
+
+# ------------------------------------------------------------------------------ three-part split
+def _outer_names(graph) -> set[str]:
+    """Names a subgraph reads from its enclosing scope."""
+    from onnx import AttributeProto
+
+    local = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+    local |= {o for n in graph.node for o in n.output}
+    used = set()
+    for n in graph.node:
+        used |= set(n.input)
+        for a in n.attribute:
+            for g in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                used |= _outer_names(g)
+    return {u for u in used if u and u not in local}
+
+
+def part_inputs(graph, outputs, stops=()) -> list[str]:
+    """The inputs of the sub-graph of `graph` that computes `outputs` from the tensors in `stops`:
+    the stops it reads plus every graph input it reaches without passing through a stop (in the
+    graph's input order, then the order of `stops`)."""
+    from onnx import AttributeProto
+
+    producer = {o: n for n in graph.node for o in n.output}
+    graph_inputs = [i.name for i in graph.input]
+    inits = {i.name for i in graph.initializer}
+    need, seen, todo = set(), set(), list(outputs)
+    while todo:
+        name = todo.pop()
+        if not name or name in seen:
+            continue
+        seen.add(name)
+        if name in stops or name in graph_inputs:
+            need.add(name)
+            continue
+        if name in inits:
+            continue
+        node = producer.get(name)
+        if node is None:
+            raise RuntimeError(f"draft graph: no node produces {name!r}")
+        todo += list(node.input)
+        for a in node.attribute:
+            for g in ([a.g] if a.type == AttributeProto.GRAPH else list(a.graphs)):
+                todo += sorted(_outer_names(g))
+    return [n for n in graph_inputs if n in need] + [n for n in stops if n in need]
+
+
+def draft_part_io(tapped) -> dict[str, tuple[list[str], list[str]]]:
+    """{part: (inputs, outputs)} of the three parts of a tapped draft graph."""
+    outs = [o.name for o in tapped.graph.output if o.name not in DRAFT_CUTS]
+    hidden, logits = DRAFT_CUTS
+    wanted = {"backbone": ([], [hidden]), "lm_head": ([hidden], [logits]), "head": ([hidden, logits], outs)}
+    io = {p: (part_inputs(tapped.graph, o, stops), o) for p, (stops, o) in wanted.items()}
+    if io["lm_head"][0] != [hidden]:
+        raise RuntimeError(f"the LM-head part of the draft graph reads {io['lm_head'][0]}, expected only {hidden}")
+    if hidden in io["backbone"][0] or logits in io["backbone"][0]:
+        raise RuntimeError("the backbone part of the draft graph reads a cut tensor")
+    return io
+
+
+def split_draft(tapped, out_dir) -> dict[str, "onnx.ModelProto"]:
+    """Cut a tapped draft graph (`_export_draft_tapped`) into its three parts and write them to
+    `out_dir` under DRAFT_PART_FILES (stage of each part: DRAFT_PART_STAGES):
+
+        backbone  anchor_ids, anchor_pos, ctx_lengths, ctx_k_i, ctx_v_i -> slot_hidden [N, S, H]
+        lm_head   slot_hidden -> slot_logits [N, S, V'] (the frozen target head, or its draft-vocabulary rows)
+        head      slot_hidden, slot_logits, target_state -> tokens, cand_ids (+ anchor_scores,
+                  pair_scores): top-K, confidence features, head, LatticeMatch, GreedyWalk
+
+    Every node of the part is copied unchanged (onnx.utils.Extractor), so the chain computes what
+    the whole graph computes; `validate_split` checks that at build time."""
+    import onnx
+
+    ex = onnx.utils.Extractor(tapped)
+    parts = {}
+    for part, (ins, outs) in draft_part_io(tapped).items():
+        proto = ex.extract_model(ins, outs)
+        proto.ir_version = tapped.ir_version
+        proto.producer_name, proto.producer_version = tapped.producer_name, tapped.producer_version
+        proto.doc_string = f"lilicorr draft block, part {part!r} of draft.onnx ({DRAFT_PART_STAGES[part]})"
+        onnx.checker.check_model(proto)
+        _save(proto, Path(out_dir) / DRAFT_PART_FILES[part], _proto_bytes(proto))
+        parts[part] = proto
+    return parts
+
+
+def _load_parts(part_files: dict) -> dict:
+    import onnx
+
+    return {p: onnx.load(str(f), load_external_data=False) for p, f in part_files.items()}
+
+
+def validate_split(model, draft_path, part_paths: dict, draft_cases=DRAFT_CASES) -> dict:
+    """Run the whole draft graph and the chain of its three parts in ONNX Runtime on the same
+    sample inputs: every output must be bit-identical (tokens, cand_ids and the lattice scores)."""
+    from lilicorr.ort_runner import OrtSession, run_draft_parts
+
+    whole = OrtSession(draft_path)
+    parts = {p: OrtSession(path) for p, path in part_paths.items()}
+    rep = {"cases": [], "bit_identical": True, "tokens_equal": True, "cand_ids_equal": True, "max_abs_diff": 0.0}
+    for i, (n, c) in enumerate(draft_cases):
+        feeds = _flat_draft_feeds(model, draft_inputs(model, n, c, seed=300 + i))
+        ref = whole.run(feeds)
+        got = run_draft_parts([parts[p] for p in DRAFT_PARTS], feeds)
+        case = {"N": n, "C": c, "bit_identical": all(torch.equal(got[k], v) for k, v in ref.items()),
+                "tokens_equal": torch.equal(got["tokens"], ref["tokens"]),
+                "cand_ids_equal": torch.equal(got["cand_ids"], ref["cand_ids"]),
+                "max_abs_diff": max(float((got[k].double() - v.double()).abs().max()) for k, v in ref.items())}
+        rep["cases"].append(case)
+        for k in ("bit_identical", "tokens_equal", "cand_ids_equal"):
+            rep[k] &= case[k]
+        rep["max_abs_diff"] = max(rep["max_abs_diff"], case["max_abs_diff"])
+    return rep
 
 
 def graph_summary(proto) -> dict:
@@ -599,9 +749,10 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
         t0 = time.perf_counter()
         log("[build] exporting context.onnx (torch.onnx dynamo)")
         ctx_proto = export_context(model, tmp / CONTEXT_ONNX)
-        log("[build] exporting draft.onnx (torch.onnx dynamo)")
-        draft_proto = export_draft(model, tmp / DRAFT_ONNX)
+        log("[build] exporting draft.onnx and its three parts (torch.onnx dynamo)")
+        draft_proto = export_draft(model, tmp / DRAFT_ONNX, parts_dir=tmp)
         t_export = time.perf_counter() - t0
+        part_files = {p: tmp / DRAFT_PART_FILES[p] for p in DRAFT_PARTS}
         draft_summary = graph_summary(draft_proto)
         ops = sorted({n["op_type"] for n in draft_summary["custom_nodes"]})
         want = ["GreedyWalk", "LatticeMatch"] if has_head else []
@@ -617,11 +768,17 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
         if not (validation["draft"]["tokens_equal"] and validation["draft"]["cand_ids_equal"]):
             log(f"[build] WARNING: {validation['draft']['mismatched_rows']} of {validation['draft']['rows']} "
                 "sample rows differ in drafted tokens / candidates (near-ties in top-K?)")
+        validation["split"] = validate_split(model, tmp / DRAFT_ONNX, part_files, opts.draft_cases)
+        if not validation["split"]["bit_identical"]:
+            raise BuildError("the three draft parts chained in ONNX Runtime differ from draft.onnx "
+                             f"(max abs diff {validation['split']['max_abs_diff']:.3g}); the split is wrong")
         manifest_ort = None
         if opts.backend == "onnxruntime":
             log(f"[build] optimising for ONNX Runtime ({ORT_LEVEL})")
             files = {}
-            for graph, src in (("context", CONTEXT_ONNX), ("draft", DRAFT_ONNX)):
+            sources = [("context", CONTEXT_ONNX), ("draft", DRAFT_ONNX)]
+            sources += [(f"draft_{p}", DRAFT_PART_FILES[p]) for p in DRAFT_PARTS]
+            for graph, src in sources:
                 dst = src.replace(".onnx", ORT_SUFFIX)
                 optimize_onnxruntime(tmp / src, tmp / dst)
                 files[graph] = dst
@@ -629,6 +786,11 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                                            opts.draft_cases, opts.context_cases)
             if val_opt["max_abs_err"] > opts.tolerance:
                 raise BuildError(f"the ORT-optimised graphs differ from PyTorch by {val_opt['max_abs_err']:.3g}")
+            val_opt["split"] = validate_split(model, tmp / files["draft"],
+                                              {p: tmp / files[f"draft_{p}"] for p in DRAFT_PARTS},
+                                              opts.draft_cases)
+            if not (val_opt["split"]["tokens_equal"] and val_opt["split"]["cand_ids_equal"]):
+                raise BuildError("the ORT-optimised draft parts draft other tokens than draft.ort.onnx")
             validation["optimized"] = val_opt
             import onnxruntime as ort
             manifest_ort = {"files": files, "graph_optimization_level": ORT_LEVEL,
@@ -682,7 +844,10 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                      "plugin_version": lattice.PLUGIN_VERSION,
                      "local_functions": draft_summary["local_functions"]},
             "graphs": {"context": {"file": CONTEXT_ONNX, **ctx_summary},
-                       "draft": {"file": DRAFT_ONNX, **draft_summary}},
+                       "draft": {"file": DRAFT_ONNX, **draft_summary},
+                       **{f"draft_{p}": {"file": DRAFT_PART_FILES[p], "part_of": DRAFT_ONNX,
+                                         "stage": DRAFT_PART_STAGES[p], **graph_summary(proto)}
+                          for p, proto in _load_parts(part_files).items()}},
             "onnxruntime": manifest_ort,
             "tensorrt": trt_section,
             "validation": validation,
@@ -700,5 +865,5 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
 
 
 __all__ = ["BuildError", "BuildOptions", "ContextGraph", "DraftGraph", "build_engine_dir", "export_context",
-           "export_draft", "validate_onnxruntime", "optimize_onnxruntime", "plan_plugins", "resolve_target",
+           "export_draft", "split_draft", "validate_split", "validate_onnxruntime", "optimize_onnxruntime", "plan_plugins", "resolve_target",
            "default_out", "CheckpointError", "EngineDirError"]

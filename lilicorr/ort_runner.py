@@ -9,6 +9,13 @@ outside the graphs, in a `KVCache` (one slot per sequence, ragged lengths, rollb
                     --draft graph--> tokens [N, S] (greedy walk), cand_ids [N, S, K],
                     anchor_scores [N, K], pair_scores [N, S-1, K, K]
 
+Under ONNX Runtime the draft graph runs as its three parts (`lilicorr.export.split_draft`), one
+session each and each under its own stage of the stage table: backbone -> slot_hidden
+(STAGE_DRAFT), LM head -> slot_logits (STAGE_LM_HEAD), top-K + head + LatticeMatch + GreedyWalk
+-> tokens (STAGE_HEAD), the same boundaries as the torch runner's. The chain is bit-identical to
+the whole graph (checked at build time). The TensorRT plans keep the whole graph; its stage is
+titled as backbone + LM head + head.
+
 Decode rules are applied on the host from the outputs: lilicorr = the graph's greedy walk,
 argmax = cand_ids[..., 0], viterbi = lilicorr.lattice.viterbi on the scores.
 """
@@ -26,7 +33,7 @@ from lilicorr.draft_runner import ContextCacheRunner, pad_ragged
 from lilicorr.engine_dir import EngineDirError, lilicorr_config
 from lilicorr.kv_cache import KVCache
 from lilicorr.model import Proposal
-from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, stage
+from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD, stage
 
 
 def context_io_names(num_layers: int) -> tuple[list[str], list[str]]:
@@ -70,15 +77,31 @@ def ort_session(path, optimize: bool = True, threads: int | None = None, optimiz
 
 
 class OrtSession:
-    """dict of torch tensors in -> dict of torch tensors out."""
+    """dict of torch tensors in -> dict of torch tensors out (feeds the session does not read are
+    ignored, so one dict can feed a chain of sessions)."""
 
     def __init__(self, path, threads: int | None = None):
         self.sess = ort_session(path, threads=threads)
+        self.inputs = [i.name for i in self.sess.get_inputs()]
         self.outputs = [o.name for o in self.sess.get_outputs()]
 
     def run(self, feeds: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        arrays = {k: np.ascontiguousarray(v.detach().cpu().numpy()) for k, v in feeds.items()}
+        arrays = {k: np.ascontiguousarray(feeds[k].detach().cpu().numpy()) for k in self.inputs}
         return {k: torch.from_numpy(v) for k, v in zip(self.outputs, self.sess.run(self.outputs, arrays))}
+
+
+def run_draft_parts(sessions, feeds: dict[str, torch.Tensor], stages=None) -> dict[str, torch.Tensor]:
+    """Run the parts of a split draft graph in order (backbone, LM head, head), each reading what
+    it needs from the feeds and the earlier parts' outputs; each under its stage when `stages` is
+    given. Returns every tensor produced."""
+    pool = dict(feeds)
+    for i, sess in enumerate(sessions):
+        if stages is None:
+            pool.update(sess.run(pool))
+        else:
+            with stage(stages[i]):
+                pool.update(sess.run(pool))
+    return {k: v for k, v in pool.items() if k not in feeds}
 
 
 class TensorRTSession:
@@ -128,7 +151,13 @@ class TensorRTSession:
 
 # ------------------------------------------------------------------------------ runner
 class GraphDraftRunner(ContextCacheRunner):
-    """Runner over the two graphs of an engine directory; `sessions` = (context, draft)."""
+    """Runner over the graphs of an engine directory. `sessions` = (context, draft) where draft is
+    one session for the whole draft graph, or a list of sessions for its parts (backbone, LM head,
+    head; see `lilicorr.export.split_draft`), each timed under its own stage. A whole graph is
+    timed as one stage, STAGE_DRAFT, marked as including the LM head and the head
+    (`profiling.stage(..., includes=...)`), so the stage table labels it as what it is."""
+
+    fused_label = "one graph"
 
     def __init__(self, manifest: dict, sessions, num_slots: int, capacity: int = 256):
         cfg = lilicorr_config(manifest)
@@ -137,6 +166,7 @@ class GraphDraftRunner(ContextCacheRunner):
         self.model = SimpleNamespace(cfg=cfg)          # the engine reads model.cfg.drafter.target_layer_ids
         self._has_head = not cfg.vanilla
         self._ctx, self._draft = sessions
+        self._split = isinstance(self._draft, (list, tuple))
         self.num_layers = d.num_layers
         self._ctx_out = context_io_names(d.num_layers)[1]
         self.cache = KVCache(d.num_layers, num_slots, d.num_kv_heads, d.head_dim, capacity, torch.float32, "cpu")
@@ -173,7 +203,8 @@ class GraphDraftRunner(ContextCacheRunner):
         if not self._has_head and any(r != "argmax" for r in rules):
             raise ValueError("decode rules lilicorr/viterbi need a LiLiCorr head; this engine is vanilla DFlash")
         slots, anchors, anchor_pos, target_state = (t.cpu() for t in (slots, anchors, anchor_pos, target_state))
-        with stage(STAGE_DRAFT):
+        fused = () if self._split else (STAGE_LM_HEAD, STAGE_HEAD)
+        with stage(STAGE_DRAFT, includes=fused, label=self.fused_label):
             lengths = self.cache.lengths[slots]
             upto = max(int(lengths.max()), 1)        # the graph needs C >= 1 (masked when length 0)
             idx = self.cache.row_index(slots)
@@ -183,8 +214,17 @@ class GraphDraftRunner(ContextCacheRunner):
                 feeds[f"ctx_k_{layer}"], feeds[f"ctx_v_{layer}"] = k, v
             if self._has_head:
                 feeds["target_state"] = target_state.float()
-            out = self._draft.run(feeds)
+            if self._split:
+                backbone, lm_head, head = self._draft
+                feeds.update(backbone.run(feeds))
+            else:
+                out = self._draft.run(feeds)
+        if self._split:
+            with stage(STAGE_LM_HEAD):
+                feeds.update(lm_head.run(feeds))
         with stage(STAGE_HEAD):
+            if self._split:
+                out = head.run(feeds)
             cand_ids = out["cand_ids"].long()                                      # [N, S, K]
             tokens = out["tokens"].long().clone()                                  # [N, S]
             a_s, p_s = out.get("anchor_scores"), out.get("pair_scores")
@@ -198,25 +238,42 @@ class GraphDraftRunner(ContextCacheRunner):
         return Proposal(tokens=tokens, cand_ids=cand_ids, anchor_scores=a_s, pair_scores=p_s)
 
 
+DRAFT_PART_GRAPHS = ("draft_backbone", "draft_lm_head", "draft_head")   # manifest["graphs"] keys
+
+
 class OrtDraftRunner(GraphDraftRunner):
     """ONNX Runtime (CPU) over the engine's graphs: the ORT-optimised copies when the engine was
-    built for onnxruntime, else the portable context.onnx / draft.onnx (local functions)."""
+    built for onnxruntime, else the portable ones (local functions). The draft graph runs as its
+    three parts (one session each: backbone, LM head, head) when the engine has them (engines
+    built before the split have only the whole graph: one session, labelled as such)."""
+
+    fused_label = "one ONNX Runtime graph"
 
     def __init__(self, engine_dir, manifest: dict, num_slots: int, capacity: int = 256,
                  threads: int | None = None):
         engine_dir = Path(engine_dir)
         ort_files = (manifest.get("onnxruntime") or {}).get("files") or {}
-        paths = []
-        for graph in ("context", "draft"):
-            name = ort_files.get(graph) or manifest["graphs"][graph]["file"]
+        graphs = manifest["graphs"]
+
+        def path(graph):
+            name = ort_files.get(graph) or graphs[graph]["file"]
             if not (engine_dir / name).is_file():
                 raise EngineDirError(f"engine {engine_dir} is incomplete: {name} is missing")
-            paths.append(engine_dir / name)
-        super().__init__(manifest, [OrtSession(p, threads) for p in paths], num_slots, capacity)
+            return engine_dir / name
+
+        ctx = OrtSession(path("context"), threads)
+        if all(g in graphs for g in DRAFT_PART_GRAPHS):
+            draft = [OrtSession(path(g), threads) for g in DRAFT_PART_GRAPHS]
+        else:
+            draft = OrtSession(path("draft"), threads)
+        super().__init__(manifest, [ctx, draft], num_slots, capacity)
 
 
 class TensorRTDraftRunner(GraphDraftRunner):
-    """The engine's TensorRT / TensorRT-RTX plans (GPU only; the draft plan with the plugins)."""
+    """The engine's TensorRT / TensorRT-RTX plans (GPU only; the draft plan with the plugins). The
+    draft plan is the whole graph, so its stage is labelled as backbone + LM head + head."""
+
+    fused_label = "one TensorRT plan"
 
     def __init__(self, engine_dir, manifest: dict, num_slots: int, capacity: int = 256):
         engine_dir = Path(engine_dir)

@@ -173,14 +173,21 @@ def nvtx_range(name: str):
     return _Range(name)
 
 
-def stage(name: str):
+def stage(name: str, includes: tuple = (), label: str = ""):
     """NVTX range + (if a StageTimer is active on this thread, or the process-wide one of
-    LILICORR_PROFILE=1 exists) wall time under `name`. `name` is one of STAGES or BLOCK."""
+    LILICORR_PROFILE=1 exists) wall time under `name`. `name` is one of STAGES or BLOCK.
+
+    `includes`: other stages whose work runs inside this one and cannot be timed apart (a draft
+    backend that runs backbone, LM head and head as one graph); the timer notes it and the stage
+    table titles the row as the sum (`label` says why, e.g. "one TensorRT plan") instead of
+    showing those stages as ~0."""
     if not _enabled:
         return _NULL
     timer = getattr(_local, "timer", None) or _GLOBAL_TIMER
     if timer is None:
         return _Range(name)
+    if includes:
+        timer.note_includes(name, includes, label)
     return _TimedStage(name, timer)
 
 
@@ -229,6 +236,7 @@ class StageTimer:
         self.blocks = 0
         self.block_wall = 0.0
         self.block_max = 0.0
+        self.includes: dict[str, dict] = {}    # stage -> {"stages": [...], "label": ...} (see `stage`)
         self._lock = threading.Lock()
         self._exit_hook = None
 
@@ -254,6 +262,13 @@ class StageTimer:
                 self.totals[name] += seconds
                 self.counts[name] += 1
 
+    def note_includes(self, name: str, includes, label: str = "") -> None:
+        """Record that stage `name` also holds the work of the stages in `includes`."""
+        entry = {"stages": [s for s in STAGES if s in includes], "label": label}
+        if self.includes.get(name) != entry:
+            with self._lock:
+                self.includes[name] = entry
+
     def reset(self) -> None:
         with self._lock:
             self._reset_locked()
@@ -261,6 +276,7 @@ class StageTimer:
     def _reset_locked(self) -> None:
         self.totals.clear()
         self.counts.clear()
+        self.includes.clear()
         self.blocks, self.block_wall, self.block_max = 0, 0.0, 0.0
 
     # -- reading -------------------------------------------------------------------------------
@@ -271,7 +287,8 @@ class StageTimer:
 
     def _table_locked(self) -> dict:
         return make_table({s: self.totals.get(s, 0.0) for s in STAGES}, self.blocks, self.block_wall,
-                          counts={s: self.counts.get(s, 0) for s in STAGES}, block_max_s=self.block_max)
+                          counts={s: self.counts.get(s, 0) for s in STAGES}, block_max_s=self.block_max,
+                          includes=self.includes)
 
     def snapshot(self, reset: bool = False) -> dict:
         """The Table 3 dict plus the raw sums, taken atomically; `reset=True` starts a new window
@@ -345,8 +362,10 @@ if _env_mode() == "on":
 
 # ------------------------------------------------------------------------------ tables
 def make_table(stage_seconds: dict, blocks: int, block_wall_s: float, counts: dict | None = None,
-               block_max_s: float | None = None) -> dict:
-    """Table 3 dict from total seconds per stage, the number of blocks and their total wall."""
+               block_max_s: float | None = None, includes: dict | None = None) -> dict:
+    """Table 3 dict from total seconds per stage, the number of blocks and their total wall.
+    `includes` ({stage: {"stages": [...], "label": ...}}, see `stage`) is kept under "includes"
+    when a stage holds others' work; the rendered tables title such rows by what they contain."""
     n = max(int(blocks), 1)
     rows = {s: 1e3 * float(stage_seconds.get(s, 0.0)) / n for s in STAGES}
     wall = 1e3 * float(block_wall_s) / n
@@ -358,16 +377,49 @@ def make_table(stage_seconds: dict, blocks: int, block_wall_s: float, counts: di
         t["ranges_per_block"] = {s: counts.get(s, 0) / n for s in STAGES}
     if block_max_s is not None:
         t["max_block_ms"] = 1e3 * block_max_s
+    if includes:
+        t["includes"] = {k: {"stages": list(v["stages"]), "label": v.get("label", "")}
+                         for k, v in includes.items() if v.get("stages")}
     return t
+
+
+def _inside(t: dict, s: str) -> str | None:
+    """The stage whose time holds stage `s` in table `t` (None when `s` is timed on its own)."""
+    for outer, v in (t.get("includes") or {}).items():
+        if s in v["stages"]:
+            return outer
+    return None
+
+
+def stage_title(t: dict, s: str) -> str:
+    """Row title of stage `s` in table `t`: 'Draft backbone + LM-head projection + Speculative
+    head (one TensorRT plan)' for a stage that holds others."""
+    v = (t.get("includes") or {}).get(s)
+    if not v:
+        return STAGE_TITLES[s]
+    title = " + ".join(STAGE_TITLES[x] for x in [s] + list(v["stages"]))
+    return f"{title} ({v['label']})" if v.get("label") else title
+
+
+def _cell(t: dict, s: str, digits: int) -> str:
+    outer = _inside(t, s)
+    if outer is not None:
+        return f"(in {STAGE_TITLES[outer]})"
+    return f"{t['stages_ms'][s]:.{digits}f}"
+
+
+def _head_share(t: dict) -> str:
+    outer = _inside(t, STAGE_HEAD)
+    return f"n/a (in {STAGE_TITLES[outer]})" if outer else f"{t['head_share_pct']:.1f}%"
 
 
 def format_table(t: dict, title: str = "") -> str:
     lines = [f"### {title}", ""] if title else []
     lines += ["| Stage (ms / block) | time |", "|---|---:|"]
     for s in STAGES:
-        lines.append(f"| {STAGE_TITLES[s]} | {t['stages_ms'][s]:.3f} |")
+        lines.append(f"| {stage_title(t, s)} | {_cell(t, s, 3)} |")
     lines.append(f"| Per-block wall | {t['per_block_wall_ms']:.3f} |")
-    lines.append(f"| Head share | {t['head_share_pct']:.1f}% |")
+    lines.append(f"| Head share | {_head_share(t)} |")
     lines.append(f"| Blocks timed | {t['blocks']} |")
     return "\n".join(lines)
 
@@ -382,14 +434,25 @@ def format_tables(columns: dict, extra_rows: dict | None = None, digits: int = 2
     def row(name, cells):
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
+    notes = []
     for s in STAGES:
-        row(STAGE_TITLES[s], [f"{columns[c]['stages_ms'][s]:.{digits}f}" for c in labels])
+        cells = []
+        for c in labels:
+            t = columns[c]
+            cell = _cell(t, s, digits)
+            if (t.get("includes") or {}).get(s):
+                cell += "*"
+                notes.append(f"{c}: {stage_title(t, s)}")
+            cells.append(cell)
+        row(STAGE_TITLES[s], cells)
     row("Per-block wall", [f"{columns[c]['per_block_wall_ms']:.{digits}f}" for c in labels])
     row("(sum of stages)", [f"{columns[c]['stage_sum_ms']:.{digits}f}" for c in labels])
-    row("Head share", [f"{columns[c]['head_share_pct']:.1f}%" for c in labels])
+    row("Head share", [_head_share(columns[c]) for c in labels])
     row("Blocks", [str(columns[c]["blocks"]) for c in labels])
     for name, cells in (extra_rows or {}).items():
         row(name, [str(cells.get(c, "")) for c in labels])
+    if notes:
+        lines += [""] + [f"\\* {n}" for n in notes]
     return "\n".join(lines)
 
 

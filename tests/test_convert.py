@@ -79,11 +79,19 @@ def test_manifest_fields(ort_engine, tiny_ckpt, llama_dir):
     assert m["created"].endswith("+00:00")
     assert set(m["files"]) >= {"context.onnx", "draft.onnx", "context.ort.onnx", "draft.ort.onnx",
                                "config.json", "model.yaml"}
+    for part in ("backbone", "lm_head", "head"):          # the draft graph's three parts, hashed
+        for f in (f"draft.{part}.onnx", f"draft.{part}.ort.onnx"):
+            assert len(m["files"][f]["sha256"]) == 64, f
+        assert m["graphs"][f"draft_{part}"]["file"] == f"draft.{part}.onnx"
+        assert m["onnxruntime"]["files"][f"draft_{part}"] == f"draft.{part}.ort.onnx"
     v = m["validation"]
     assert v["max_abs_err"] < 1e-4 and v["optimized"]["max_abs_err"] < 1e-4
     assert v["draft"]["tokens_equal"] and v["draft"]["cand_ids_equal"]
     assert {c["N"] for c in v["draft"]["cases"]} >= {1, 8} and len({c["C"] for c in v["draft"]["cases"]}) >= 3
     assert v["draft"]["pair_scores_max_abs_err"] < 1e-4
+    # the chained parts compute exactly what the whole draft graph computes (portable and optimised)
+    for split in (v["split"], v["optimized"]["split"]):
+        assert split["bit_identical"] and split["max_abs_diff"] == 0.0 and len(split["cases"]) >= 3
     print(f"\nvalidation max_abs_err: context {v['context']['max_abs_err']:.3g}, anchor_scores "
           f"{v['draft']['anchor_scores_max_abs_err']:.3g}, pair_scores {v['draft']['pair_scores_max_abs_err']:.3g}")
 
@@ -157,6 +165,93 @@ def test_ort_runner_matches_torch_runner(ort_engine, tiny_ckpt, llama_dir):
         lens = [1, 3, 2]
     ort.free(int(slots[0]))
     assert ort.allocate() == int(slots[0]) and ort.context_length(int(slots[0])) == 0
+
+
+def test_draft_parts_cut_at_slot_hidden_and_logits(ort_engine):
+    """draft.onnx cut into backbone -> slot_hidden, LM head -> slot_logits, head -> tokens: the
+    LM-head part is the projection alone and only the head part carries the lilicorr nodes."""
+    from lilicorr.plugins.onnx_functions import lilicorr_nodes
+
+    m = read_manifest(ort_engine)
+    g = {p: m["graphs"][f"draft_{p}"] for p in ("backbone", "lm_head", "head")}
+    assert list(g["backbone"]["outputs"]) == ["slot_hidden"]
+    assert "target_state" not in g["backbone"]["inputs"]
+    assert list(g["lm_head"]["inputs"]) == ["slot_hidden"] and list(g["lm_head"]["outputs"]) == ["slot_logits"]
+    assert {"slot_hidden", "slot_logits", "target_state"} <= set(g["head"]["inputs"])
+    assert list(g["head"]["outputs"]) == list(m["graphs"]["draft"]["outputs"])
+    assert [g[p]["stage"] for p in g] == ["draft_backbone", "lm_head_projection", "speculative_head"]
+    for p in ("backbone", "lm_head"):
+        proto = onnx.load(str(ort_engine / f"draft.{p}.onnx"))
+        onnx.checker.check_model(proto)
+        assert not lilicorr_nodes(proto) and not list(proto.functions)
+    head = onnx.load(str(ort_engine / "draft.head.onnx"))
+    assert {n.op_type for n in lilicorr_nodes(head)} == {"LatticeMatch", "GreedyWalk"}
+    assert {f.name for f in head.functions} == {"LatticeMatch", "GreedyWalk"}
+
+
+def test_ort_stage_table_times_backbone_lm_head_and_head(ort_engine, llama_dir):
+    """Under ONNX Runtime the three draft parts run as three sessions, each under its stage: the
+    stage timer records time in draft backbone, LM-head projection and speculative head, no stage
+    is labelled as holding another, and the stages still add up to the block."""
+    import gc
+
+    from lilicorr import profiling
+    from lilicorr.engine import SpecEngine
+    from lilicorr.ort_runner import OrtDraftRunner
+
+    eng = SpecEngine.from_paths(llama_dir, engine_dir=ort_engine, draft_backend="onnxruntime", max_batch=4,
+                                max_seq_len=128)
+    assert isinstance(eng.runner, OrtDraftRunner) and eng.runner._split
+    eng.generate(PROMPTS, 4, rule="lilicorr")                          # warm up
+    timer = profiling.StageTimer()
+    gc.collect()
+    gc.disable()
+    try:
+        with timer.active():
+            eng.generate(PROMPTS, 12, rule="lilicorr")
+    finally:
+        gc.enable()
+    t = timer.table()
+    assert t["blocks"] > 0
+    for s in (profiling.STAGE_DRAFT, profiling.STAGE_LM_HEAD, profiling.STAGE_HEAD):
+        assert t["stages_ms"][s] > 0 and t["ranges_per_block"][s] >= 1, (s, t)
+    assert "includes" not in t and t["head_share_pct"] > 0
+    assert abs(t["stage_sum_ms"] - t["per_block_wall_ms"]) <= 0.05 * t["per_block_wall_ms"], t
+    md = profiling.format_table(t)
+    assert "| Draft backbone |" in md and "| LM-head projection |" in md and "| Speculative head |" in md
+
+
+def test_whole_draft_graph_is_labelled_as_one_stage(ort_engine, llama_dir, tmp_path):
+    """An engine without the parts (built before the split) runs draft.ort.onnx as one session:
+    the table titles that row as backbone + LM head + head instead of printing a ~0 head."""
+    import shutil
+
+    from lilicorr import profiling
+    from lilicorr.engine import SpecEngine
+
+    old = tmp_path / "old-engine"
+    shutil.copytree(ort_engine, old)
+    m = json.loads((old / "manifest.json").read_text())
+    for p in ("backbone", "lm_head", "head"):
+        del m["graphs"][f"draft_{p}"], m["onnxruntime"]["files"][f"draft_{p}"]
+        for f in (f"draft.{p}.onnx", f"draft.{p}.ort.onnx"):
+            del m["files"][f]
+            (old / f).unlink()
+    (old / "manifest.json").write_text(json.dumps(m))
+    eng = SpecEngine.from_paths(llama_dir, engine_dir=old, draft_backend="onnxruntime", max_batch=4,
+                                max_seq_len=128)
+    assert not eng.runner._split
+    timer = profiling.StageTimer()
+    with timer.active():
+        out = [r.tokens for r in eng.generate(PROMPTS, 8, rule="lilicorr")]
+    ar = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128).generate(PROMPTS, 8, rule="ar")
+    assert out == [r.tokens for r in ar]
+    t = timer.table()
+    assert t["includes"] == {profiling.STAGE_DRAFT: {"stages": [profiling.STAGE_LM_HEAD, profiling.STAGE_HEAD],
+                                                     "label": "one ONNX Runtime graph"}}
+    md = profiling.format_table(t)
+    assert ("| Draft backbone + LM-head projection + Speculative head (one ONNX Runtime graph) |" in md)
+    assert "| LM-head projection | (in Draft backbone) |" in md and "| Head share | n/a (in Draft backbone) |" in md
 
 
 def test_engine_ort_equals_torch(ort_engine, llama_dir):

@@ -175,6 +175,36 @@ def test_timer_aggregation_math():
     assert empty["blocks"] == 0 and empty["head_share_pct"] == 0.0
 
 
+def test_stage_holding_others_is_titled_by_what_it_holds():
+    """A backend that runs backbone, LM head and head as one graph times it under STAGE_DRAFT with
+    `includes`: the table keeps the numbers but titles the row as the sum, and the held stages
+    and the head share read "(in Draft backbone)" / "n/a" instead of a misleading ~0."""
+    t = StageTimer(sync=lambda: None)
+    with t.active():
+        for _ in range(3):
+            with stage(STAGE_DRAFT, includes=(STAGE_HEAD, STAGE_LM_HEAD), label="one TensorRT plan"):
+                pass
+            with stage(STAGE_HEAD):
+                pass
+            t.record(BLOCK, 0.004)
+    tab = t.table()
+    assert tab["includes"] == {STAGE_DRAFT: {"stages": [STAGE_LM_HEAD, STAGE_HEAD], "label": "one TensorRT plan"}}
+    assert tab["ranges_per_block"][STAGE_DRAFT] == 1 and tab["stages_ms"][STAGE_DRAFT] > 0
+    md = t.markdown()
+    assert "| Draft backbone + LM-head projection + Speculative head (one TensorRT plan) |" in md
+    assert "| LM-head projection | (in Draft backbone) |" in md
+    assert "| Speculative head | (in Draft backbone) |" in md and "| Head share | n/a (in Draft backbone) |" in md
+    plain = StageTimer(sync=lambda: None)
+    with plain.active(), stage(STAGE_HEAD):
+        pass
+    side = profiling.format_tables({"trt": tab, "ort": plain.table()})
+    assert "| Draft backbone | " in side and "* |" in side
+    assert "trt: Draft backbone + LM-head projection + Speculative head (one TensorRT plan)" in side
+    assert "includes" not in plain.table()
+    t.reset()
+    assert "includes" not in t.table()
+
+
 def test_snapshot_reset_and_threads():
     t = StageTimer(sync=lambda: None)
 
