@@ -1374,4 +1374,9 @@ def test_prompt_and_messages_limits(engine_server, good_request):
     big = json.dumps([{"role": "user", "content": "hello " * 20_000}])
     assert "bytes; the server accepts at most 65536" in str(messages_json(big, "big"))
     assert "not valid JSON" in str(messages_json('[{"role": ', "broken"))
+    # the code is INVALID_ARG: HTTP 400 (INTERNAL would be 500)
+    for body, want in [({"messages_json": "[" * 20000 + "]" * 20000}, "nested 20000 levels deep"),
+                       ({"text_input": "x" * 70000}, "has 70000 bytes")]:
+        status, text = _http("POST", f"http://{engine_server.http_url}/v2/models/ensemble/generate", body)
+        assert status == 400 and want in text, (status, text)
     good_request(client)
