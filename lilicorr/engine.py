@@ -25,6 +25,8 @@ drafter context, and the captured layers at p-1 (the head's target state).
 """
 from __future__ import annotations
 
+import contextlib
+
 import collections
 import itertools
 import math
@@ -364,7 +366,8 @@ class SpecEngine:
         b, dev, n = self.block_size, self.device, len(seqs)
         auto = self.cost is not None
         t0 = time.perf_counter()
-        with stage(STAGE_ACCEPT):          # which rows draft: bookkeeping, counted with the residual
+        # the draft-length policy's bookkeeping counts with accept/residual (a stage only when it runs)
+        with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():   # which rows draft
             if auto:
                 cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
                 draft_cost = self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
@@ -394,7 +397,7 @@ class SpecEngine:
         lengths = [0] * n
         probs = None
         if prop is not None:
-            with stage(STAGE_ACCEPT):
+            with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():
                 if auto:
                     probs = self._walk_probs(prop)                             # [D, S] or None
                     for j, i in enumerate(d_idx):
