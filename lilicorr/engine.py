@@ -25,9 +25,8 @@ drafter context, and the captured layers at p-1 (the head's target state).
 """
 from __future__ import annotations
 
-import contextlib
-
 import collections
+import contextlib
 import itertools
 import math
 import operator
