@@ -469,9 +469,7 @@ def test_generate_repository(tmp_path):
     assert os.readlink(repo / "lilicorr" / "engine") == str((tmp_path / "e").resolve())
     assert 'key: "target_dir" value: { string_value: "target" }' in cfg
     assert 'key: "engine_dir" value: { string_value: "engine" }' in cfg
-    if venv_root() is not None:
-        assert '"EXECUTION_ENV_PATH" value: { string_value: "$$TRITON_MODEL_DIRECTORY/pyenv" }' in cfg
-        assert os.readlink(repo / "preprocessing" / "pyenv") == str(venv_root().resolve())
+    assert "EXECUTION_ENV_PATH" not in cfg and not (repo / "lilicorr" / "pyenv").exists()
     assert not (repo / "ensemble" / "target").exists()
     assert model_parameters({"parameters": {"a": {"string_value": "x"}, "b": {"string_value": "${b}"}}}) == \
         {"a": "x", "b": ""}

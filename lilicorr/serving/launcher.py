@@ -13,9 +13,8 @@ the stub embeds libpython and, like any embedded interpreter, computes ``sys.pre
 for ``python3`` on PATH and reading the ``pyvenv.cfg`` next to it; PYTHONPATH is ignored. So the
 server is started with the running interpreter's ``bin/`` first on PATH (the venv's ``python3``)
 and ``LD_LIBRARY_PATH`` starting with ``sysconfig LIBDIR`` (the libpython the stub must load).
-The generated Python-model configs additionally carry ``EXECUTION_ENV_PATH`` = the venv (the
-backend then runs ``source <venv>/bin/activate`` before exec'ing the stub), which keeps working
-when the server's own environment is not ours (e.g. a server started by hand from a shell).
+A server started by hand from a shell needs the same: the venv activated (its ``bin/`` first on
+PATH) and that ``LD_LIBRARY_PATH``.
 
 Control endpoints are closed: the model-repository, shared-memory, logging and trace APIs answer
 only requests carrying the header ``admin-key: <key>`` (HTTP) or the metadata

@@ -11,9 +11,11 @@ placeholders, ``1/model.py``). Everything the server needs to know about the eng
 models as config ``parameters``; the ``lilicorr`` model builds its engine with `open_engine`.
 
 The configs carry no absolute paths (``/v2/models/<m>/config`` is readable by every client): each
-Python model directory holds symlinks ``target``, ``engine``, ``ckpt`` and ``pyenv`` (the venv),
-and the parameters name them relative to the model directory (``EXECUTION_ENV_PATH`` as
-``$$TRITON_MODEL_DIRECTORY/pyenv``, which the Python backend expands).
+Python model directory holds symlinks ``target``, ``engine`` and ``ckpt``, and the parameters name
+them relative to the model directory. There is no ``EXECUTION_ENV_PATH`` (it would be an absolute
+path, and a symlink to the venv inside a model directory makes tritonserver walk the whole venv
+when it checks the model's files): the stub runs the venv that is first on PATH, which
+`launcher.server_env` arranges.
 """
 from __future__ import annotations
 
@@ -142,7 +144,6 @@ class ServeOptions:
 
 # symlinks in each Python model directory (the configs name them, never an absolute path)
 LINKS = {"target_dir": "target", "engine_dir": "engine", "ckpt_dir": "ckpt"}
-ENV_LINK = "pyenv"
 
 
 def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
@@ -170,10 +171,9 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "extra_parameters": "\n".join(
             f'parameters: {{ key: "{k}" value: {{ string_value: "{v}" }} }}'
             for k, v in opts.extra_parameters.items()),
-        # the stub sources <venv>/bin/activate before it starts (see launcher.py)
-        "execution_env": ('parameters: { key: "EXECUTION_ENV_PATH" value: '
-                          f'{{ string_value: "$$TRITON_MODEL_DIRECTORY/{ENV_LINK}" }} }}'
-                          if env is not None else ""),
+        # the stub runs the venv first on PATH (launcher.server_env); no EXECUTION_ENV_PATH
+        "execution_env": f"# Python stub environment: {'the venv' if env is not None else 'the interpreter'} "
+                         "first on the server's PATH",
     }
 
 
@@ -191,7 +191,7 @@ def generate_repository(spec: EngineSpec, out_dir: str | os.PathLike, opts: Serv
     out.mkdir(parents=True, exist_ok=True)
     variables = template_vars(spec, opts)
     links = {LINKS["target_dir"]: spec.target_dir, LINKS["engine_dir"]: spec.engine_dir,
-             LINKS["ckpt_dir"]: spec.ckpt_dir, ENV_LINK: venv_root()}
+             LINKS["ckpt_dir"]: spec.ckpt_dir}
     for model in models:
         src = TEMPLATES / model
         dst = out / model

@@ -145,7 +145,14 @@ class TritonPythonModel:
             timer = StageTimer()
             self.metrics.enable_stages()
 
+        # no IPC from the engine thread before initialize() has returned (metrics start with the
+        # first request): a metrics update racing the stub's reply to initialize is the suspected
+        # cause of one load that never completed on a heavily loaded machine
+        self._serving = threading.Event()
+
         def on_step(stats, events):
+            if not self._serving.is_set():
+                return
             self.metrics.sync(stats)
             if timer is not None:
                 self.metrics.sync_stages(timer)
@@ -196,6 +203,7 @@ class TritonPythonModel:
         return Job(request.request_id(), prompt, gen, sink)
 
     def execute(self, requests):
+        self._serving.set()
         for request in requests:
             sink = SenderSink(request.get_response_sender())
             stop = pb_utils.get_input_tensor_by_name(request, "stop")
