@@ -13,9 +13,9 @@ models as config ``parameters``; the ``lilicorr`` model builds its engine with `
 The configs carry no absolute paths (``/v2/models/<m>/config`` is readable by every client): each
 Python model directory holds symlinks ``target``, ``engine`` and ``ckpt``, and the parameters name
 them relative to the model directory. There is no ``EXECUTION_ENV_PATH`` (it would be an absolute
-path, and a symlink to the venv inside a model directory makes tritonserver walk the whole venv
-when it checks the model's files): the stub runs the venv that is first on PATH, which
-`launcher.server_env` arranges.
+path; a venv symlink inside a model directory, tried instead, coincided with model loads that
+never finished): the stub runs the venv that is first on PATH, which `launcher.server_env`
+arranges.
 """
 from __future__ import annotations
 
