@@ -61,6 +61,7 @@ from typing import Sequence
 
 SHM_BASE_PREFIX = "triton_python_backend_shm_region_"
 TMP_PREFIX = "lilicorr-triton-"
+REPO_TMP_PREFIX = "lilicorr-repo-"   # deploy/serve.py's temporary model repository (+ "<pid>-")
 ADMIN_HEADER = "admin-key"                                 # HTTP header
 GRPC_ADMIN_HEADER = "triton-grpc-protocol-" + ADMIN_HEADER  # gRPC metadata key (Triton adds the prefix)
 # APIs that only requests with the admin header may use (Triton's restricted-API categories)
@@ -219,11 +220,12 @@ def remove_stale_leftovers() -> list[str]:
             with contextlib.suppress(OSError):
                 os.unlink(path)
                 removed.append(path)
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{TMP_PREFIX}*")):
-        pid = Path(path).name[len(TMP_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not pid_alive(int(pid)):
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+    for prefix in (TMP_PREFIX, REPO_TMP_PREFIX):
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"{prefix}*")):
+            pid = Path(path).name[len(prefix):].split("-", 1)[0]
+            if pid.isdigit() and not pid_alive(int(pid)):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
     return removed
 
 
@@ -271,7 +273,7 @@ def _die_with_parent(parent: int) -> None:
 # the launcher said "done" first, kills the server's process group and removes its leftovers.
 REAPER = r"""
 import glob, os, shutil, signal, sys, time
-pgid, shm_prefix, workdir = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+pgid, shm_prefix, workdirs = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
 data = sys.stdin.read()
 if "done" in data:
     sys.exit(0)
@@ -298,7 +300,8 @@ for path in glob.glob("/dev/shm/" + shm_prefix + "*"):
         os.unlink(path)
     except OSError:
         pass
-shutil.rmtree(workdir, ignore_errors=True)
+for workdir in workdirs:
+    shutil.rmtree(workdir, ignore_errors=True)
 """
 
 
@@ -333,12 +336,14 @@ class TritonServer:
                  startup_timeout: float = 180.0, exit_timeout: int = 10,
                  stub_timeout: int = 120, extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, models: Sequence[str] | None = None,
-                 admin_key: str | None = None, drain_timeout: float = 30.0):
+                 admin_key: str | None = None, drain_timeout: float = 30.0,
+                 cleanup_paths: Sequence[str | os.PathLike] = ()):
         self.model_repository = Path(model_repository).resolve()
         # operators' key for the control APIs; without one a per-launch secret only we know
         self.admin_key = admin_key or secrets.token_urlsafe(24)
         self.admin_key_given = bool(admin_key)
         self.drain_timeout = drain_timeout
+        self.cleanup_paths = [str(p) for p in cleanup_paths]   # the reaper removes these too
         self.host = host
         self.binary = binary or find_tritonserver()
         self._ports = (grpc_port, http_port, metrics_port)
@@ -446,7 +451,8 @@ class TritonServer:
                                      stderr=subprocess.STDOUT if stdout else None,
                                      start_new_session=True, preexec_fn=lambda: _die_with_parent(parent))
         self._reaper = subprocess.Popen([sys.executable, "-c", REAPER, str(self.proc.pid), self.shm_prefix,
-                                         str(self.workdir)], stdin=subprocess.PIPE, start_new_session=True,
+                                         str(self.workdir), *self.cleanup_paths],
+                                        stdin=subprocess.PIPE, start_new_session=True,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             self.wait_ready()

@@ -19,7 +19,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from .launcher import ServerStartError, TritonServer, find_tritonserver
+from .launcher import REPO_TMP_PREFIX, ServerStartError, TritonServer, find_tritonserver
 from .protocol import DEFAULT_MAX_PROMPT_BYTES
 from .repository import EngineSpec, ServeOptions, generate_repository, read_engine_manifest
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repo:
         repo_dir = Path(args.repo)
     else:
-        tmp = tempfile.TemporaryDirectory(prefix="lilicorr-repo-")
+        tmp = tempfile.TemporaryDirectory(prefix=f"{REPO_TMP_PREFIX}{os.getpid()}-")
         repo_dir = Path(tmp.name)
     try:
         generate_repository(spec, repo_dir, opts)
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                               metrics_port=args.metrics_port, binary=binary, log_file="-",
                               log_verbose=args.log_verbose, startup_timeout=args.startup_timeout,
                               exit_timeout=args.exit_timeout, admin_key=args.admin_key,
-                              drain_timeout=args.drain_timeout)
+                              drain_timeout=args.drain_timeout,
+                              cleanup_paths=[repo_dir] if tmp is not None else [])
         server.abort = stop
         try:
             try:
