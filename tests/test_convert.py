@@ -254,25 +254,32 @@ def test_whole_draft_graph_is_labelled_as_one_stage(ort_engine, llama_dir, tmp_p
     assert "| LM-head projection | (in Draft backbone) |" in md and "| Head share | n/a (in Draft backbone) |" in md
 
 
+def generate_recording_drafts(target_dir, engine_dir, backend: str, rules, max_tokens: int):
+    """Greedy PROMPTS through SpecEngine on `backend` for each rule -> ({rule: token lists},
+    every Proposal the runner made, in order)."""
+    from lilicorr.engine import SpecEngine
+
+    eng = SpecEngine.from_paths(target_dir, engine_dir=engine_dir, draft_backend=backend, max_batch=4,
+                                max_seq_len=128)
+    proposals = []
+    inner = eng.runner.draft
+
+    def spy(*args, **kw):
+        p = inner(*args, **kw)
+        proposals.append(p)
+        return p
+    eng.runner.draft = spy
+    return {rule: [r.tokens for r in eng.generate(PROMPTS, max_tokens, rule=rule)] for rule in rules}, proposals
+
+
 def test_engine_ort_equals_torch(ort_engine, llama_dir):
     """Greedy verification through SpecEngine: ONNX Runtime and PyTorch drafters give the same
     drafts step by step and the same tokens (= the target's greedy output)."""
     from lilicorr.engine import SpecEngine
 
     def run(backend):
-        eng = SpecEngine.from_paths(llama_dir, engine_dir=ort_engine, draft_backend=backend, max_batch=4,
-                                    max_seq_len=128)
-        drafts = []
-        inner = eng.runner.draft
-
-        def spy(*args, **kw):
-            p = inner(*args, **kw)
-            drafts.append(p.tokens.clone())
-            return p
-        eng.runner.draft = spy
-        out = {rule: [r.tokens for r in eng.generate(PROMPTS, 12, rule=rule)]
-               for rule in ("lilicorr", "viterbi", "argmax")}
-        return out, drafts
+        out, props = generate_recording_drafts(llama_dir, ort_engine, backend, ("lilicorr", "viterbi", "argmax"), 12)
+        return out, [p.tokens for p in props]
 
     (tok_t, dr_t), (tok_o, dr_o) = run("torch"), run("onnxruntime")
     ar = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128).generate(PROMPTS, 12, rule="ar")
@@ -485,18 +492,8 @@ def test_draft_vocabulary_engine_equals_torch_and_ar(llama_dir, tmp_path):
     assert json.loads((engine_dir / "manifest.json").read_text())["draft_vocab_size"] == 40
 
     def run(backend):
-        eng = SpecEngine.from_paths(llama_dir, engine_dir=engine_dir, draft_backend=backend, max_batch=4,
-                                    max_seq_len=128)
-        pools = []
-        inner = eng.runner.draft
-
-        def spy(*args, **kw):
-            p = inner(*args, **kw)
-            pools.append(p.cand_ids.clone())
-            return p
-        eng.runner.draft = spy
-        return {rule: [r.tokens for r in eng.generate(PROMPTS, 10, rule=rule)]
-                for rule in ("lilicorr", "argmax")}, pools
+        out, props = generate_recording_drafts(llama_dir, engine_dir, backend, ("lilicorr", "argmax"), 10)
+        return out, [p.cand_ids for p in props]
 
     (tok_t, pools_t), (tok_o, pools_o) = run("torch"), run("onnxruntime")
     ar = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128).generate(PROMPTS, 10, rule="ar")
