@@ -51,11 +51,20 @@ def _rel(path: Path) -> str:
         return str(path)
 
 
+def _same_checkpoint(a: Path, b: Path) -> bool:
+    """Whether two checkpoint folders hold the same run (same config.json and meta.json)."""
+    return all((a / f).is_file() and (b / f).is_file() and (a / f).read_bytes() == (b / f).read_bytes()
+               for f in ("config.json", "meta.json"))
+
+
 def training_record(work: Path, arm: str) -> dict | None:
     """One arm's training config and per-step record: from WORK (the step log, else the history in
     the checkpoint's meta.json), else from the committed checkpoint; None if neither has it."""
-    for ckpt, log in ((work / f"ckpt-{arm}", work / f"ckpt-{arm}.log.jsonl"),
-                      (REPO / COMMITTED_CKPT.format(arm=arm), None)):
+    committed = REPO / COMMITTED_CKPT.format(arm=arm)
+    sources = [(work / f"ckpt-{arm}", work / f"ckpt-{arm}.log.jsonl"), (committed, None)]
+    if _same_checkpoint(work / f"ckpt-{arm}", committed):
+        sources.reverse()                 # WORK's run is the committed one: cite the committed files
+    for ckpt, log in sources:
         recs, source = [], None
         if log is not None and log.exists():
             recs, source = read_log(log), log
