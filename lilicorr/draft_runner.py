@@ -80,10 +80,7 @@ class DraftLMHead:
             return
         if getattr(drafter.lm_head, "bias", None) is not None:
             return
-        if hasattr(drafter, "lm_weight"):
-            w = drafter.lm_weight()                    # [V', H]: draft-vocabulary rows where it has one
-        elif getattr(drafter, "draft_to_target", None) is not None:
-            w = w[drafter.draft_to_target.to(w.device)]
+        w = drafter.lm_weight()                        # [V', H]: draft-vocabulary rows where it has one
         if not bool(torch.isfinite(w).all()) or float(w.abs().max()) >= 65504:
             return
         with warnings.catch_warnings():
@@ -171,9 +168,9 @@ def _propose_mixed(model: LiLiCorrModel, slot_hidden, slot_logits, target_state,
     need = [i for i, r in enumerate(rules) if r in ("lilicorr", "viterbi")]
     if len(need) < n:                    # argmax rows: top-K of the logits (the head rows redo it)
         cand_ids = torch.topk(slot_logits, k, dim=-1).indices                  # [N, S, K]
-        ids_map = getattr(model.drafter, "draft_to_target", None)
+        ids_map = model.drafter.draft_to_target
         if ids_map is not None:
-            cand_ids = ids_map.to(cand_ids.device)[cand_ids]
+            cand_ids = ids_map[cand_ids]
     else:
         cand_ids = torch.empty(n, s, k, dtype=torch.long, device=slot_logits.device)
     tokens = cand_ids[..., 0].clone()                                          # argmax rule

@@ -103,17 +103,15 @@ class DraftGraph(nn.Module):
         mask = inference_attention_mask(ctx_lengths, ctx_kv[0].shape[2], b)    # [N, 1, B, C+B]
         slot_hidden = d(emb, pos, kv, mask)[:, 1:]                             # [N, S, H]
         slot_logits = d.logits(slot_hidden)                                    # [N, S, V']
-        id_map = getattr(d, "draft_to_target", None)    # [V'] target id per draft-vocabulary entry
+        id_map = d.draft_to_target                      # [V'] target id per draft-vocabulary entry, or None
         if m.head is None:
             cand_ids = torch.topk(slot_logits, m.cfg.head.top_k, dim=-1).indices   # [N, S, K]
             if id_map is not None:
                 cand_ids = id_map[cand_ids]                                    # constant gather: target ids
             out = (cand_ids[..., 0], cand_ids)
             return out + (slot_hidden, slot_logits) if self.taps else out
-        if id_map is None:
-            cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k)
-        else:                       # top-K over the draft vocabulary, then a constant gather to target ids
-            cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k, id_map=id_map)
+        # top-K over the (draft) vocabulary, then a constant gather to target ids where there is a map
+        cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k, id_map=id_map)
         out_vec, in_vec, anchor_out = m.head(cand_ids, cand_feats, slot_hidden, target_state)
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, m.cfg.head.sigma)
         idx = lattice.greedy_walk(anchor_scores, pair_scores)                  # [N, S]
@@ -828,7 +826,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             # how to serve this engine: target dtype ("auto" = bf16 where the machine has native bf16
             # matmuls) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
             "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or "")},
-            "draft_vocab_size": int(getattr(d, "draft_vocab_size", 0) or 0),
+            "draft_vocab_size": d.draft_vocab_size,
             "checkpoint": {"path": cpath, "sha256": weights_sha, "config_sha256": file_sha256(ckpt_dir / CONFIG),
                            "step": ckpt_io.read_meta(ckpt_dir).get("step")},
             "target": {"path": tpath, **target_record(target, target_dir), "yarn_factor": opts.yarn_factor},

@@ -67,26 +67,19 @@ def parse_args(argv=None):
 
 def build_config(args, target_cfg):
     cfg = preset(args.preset)
-    tc = cfg.train
-    for field, value in (("max_steps", args.steps), ("epochs", args.epochs), ("global_batch", args.global_batch),
-                         ("num_anchors", args.num_anchors), ("seq_len", args.seq_len),
-                         ("lr_drafter", args.lr_drafter), ("lr_head", args.lr_head), ("save_every", args.save_every)):
+    tc, dc, lc = cfg.train, cfg.drafter, cfg.loss
+    overrides = ((tc, "max_steps", args.steps), (tc, "epochs", args.epochs), (tc, "global_batch", args.global_batch),
+                 (tc, "num_anchors", args.num_anchors), (tc, "seq_len", args.seq_len),
+                 (tc, "lr_drafter", args.lr_drafter), (tc, "lr_head", args.lr_head),
+                 (tc, "save_every", args.save_every), (dc, "num_layers", args.drafter_layers),
+                 (dc, "block_size", args.block_size), (dc, "num_target_layers_captured", args.captured_layers),
+                 (dc, "draft_vocab_size", args.draft_vocab), (lc, "beta", args.beta),
+                 (lc, "dflash_norm", args.dflash_norm))
+    for section, name, value in overrides:       # unset flags (0 / None) keep the preset's value
         if value:
-            setattr(tc, field, value)
+            setattr(section, name, value)
     if args.seed is not None:
         tc.seed = args.seed
-    if args.drafter_layers:
-        cfg.drafter.num_layers = args.drafter_layers
-    if args.block_size:
-        cfg.drafter.block_size = args.block_size
-    if args.captured_layers:
-        cfg.drafter.num_target_layers_captured = args.captured_layers
-    if args.beta:
-        cfg.loss.beta = args.beta
-    if args.dflash_norm:
-        cfg.loss.dflash_norm = args.dflash_norm
-    if args.draft_vocab:
-        cfg.drafter.draft_vocab_size = args.draft_vocab
     cfg.vanilla = args.vanilla
     if args.margin:
         cfg.loss.mu, cfg.loss.rho = 0.5, 2.0
