@@ -29,9 +29,10 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=2048, help="TensorRT profile: max cached context (2048)")
     p.add_argument("--compute-capabilities", default=None,
                    help="TensorRT-RTX targets, comma separated (default SM80,SM86,SM89,SM120)")
-    p.add_argument("--serve-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="target dtype the manifest asks servers to use (auto: bf16 where the machine has "
-                        "native bf16 matmuls, else fp32)")
+    p.add_argument("--serve-dtype", default="auto",
+                   choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
+                   help="target precision the manifest asks servers to use (auto: bf16 on CUDA and where the "
+                        "CPU has native bf16 matmuls, else fp16-weights where fbgemm has it, else fp32)")
     p.add_argument("--draft-length", default="",
                    help="drafted tokens verified per step recorded for serving: N or auto (default: whole block)")
     p.add_argument("--yarn-factor", type=float, default=None, help="bake YaRN rope scaling into the graphs")

@@ -47,8 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="output JSON path (the PNG plot goes next to it)")
     p.add_argument("--profile", action="store_true", help="per-cell stage decomposition from /metrics")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
-    p.add_argument("--dtype", default="", help="with --engine: target dtype (auto, float32, bfloat16; "
+    p.add_argument("--dtype", default="", help="with --engine: target precision (auto, float32, bfloat16, fp16-weights; "
                    "default: the manifest's serving dtype, else auto)")
+    p.add_argument("--tree-nodes", type=int, default=16, help="with --engine: rule tree's draft-tree size M")
     p.add_argument("--draft-length", default="", help="with --engine: drafted tokens verified per step, N or "
                    "auto (default: the manifest's serving choice, else the whole block)")
     p.add_argument("--threads", type=int, default=0, help="with --engine: torch threads of the engine (0: default)")
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         repo = Path(tempfile.mkdtemp(prefix="lilicorr-bench-repo-"))
         generate_repository(read_engine_manifest(args.engine), repo,
                             ServeOptions(max_batch=max(concurrencies), profile=args.profile, dtype=args.dtype,
-                                         draft_length=args.draft_length, num_threads=args.threads))
+                                         draft_length=args.draft_length, tree_nodes=args.tree_nodes,
+                                         num_threads=args.threads))
         server = TritonServer(repo, startup_timeout=900).start()
         url, metrics_url = server.grpc_url, server.metrics_url
     elif args.url:

@@ -9,11 +9,10 @@ Runtime, TensorRT) are interchangeable:
 """
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from lilicorr.drafter import inference_attention_mask
+from lilicorr.fp16_linear import FP16_MAX, fbgemm_fp16_available, fp16_exact, fp16_linear, pack_fp16
 from lilicorr.kv_cache import KVCache
 from lilicorr.model import LiLiCorrModel, Proposal
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD, stage
@@ -47,20 +46,17 @@ class ContextCacheRunner:
         self.cache.truncate(slots, lengths)
 
 
-def _fbgemm_fp16_available() -> bool:
-    return (hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and "fbgemm" in torch.backends.quantized.supported_engines)
-
-
 class DraftLMHead:
     """The drafter's LM-head projection (slot hidden [N, S, H] -> float32 logits [N, S, V']) at
     inference, on the fastest CPU kernel that keeps the weights' values.
 
     PyTorch's CPU bf16 matmul without native bf16 instructions (AVX2, and AVX-512 without BF16) runs
     the [S, H] x [H, 49k] projection row by row at compute speed: ~6 ms per slot for SmolLM2, 40-70 ms
-    per block of 7 slots, more than the whole target step. bf16 (and fp16) weights are exactly
-    representable in fp16, so `kernel="fp16"` packs them once for fbgemm's fp16-weight GEMM (one
-    memory pass over half-size weights, fp32 accumulation): same values, fp32 accumulation, 3-5x
-    faster. fp32 weights keep the native kernel under "auto" (fp16 would round them).
+    per block of 7 slots, more than the whole target step. Weights whose values are exact in fp16
+    (bf16 and fp16 weights, and a target loaded as fp16-weights) are packed once for fbgemm's
+    fp16-weight GEMM under `kernel="auto"` (one memory pass over half-size weights, fp32
+    accumulation): same values, 3-5x faster. Other fp32 weights keep the native kernel under "auto"
+    (fp16 would round them); `kernel="fp16"` packs them anyway.
 
     The packed weight is derived from `drafter.logits` itself: the target LM head's weight, gathered
     through `drafter.draft_to_target` when the drafter has a draft vocabulary. A probe checks that it
@@ -74,39 +70,28 @@ class DraftLMHead:
         self.kernel = "native"
         self._packed = self._bias = None
         w = getattr(drafter.lm_head, "weight", None)
-        if kernel == "native" or w is None or w.device.type != "cpu" or not _fbgemm_fp16_available():
-            return
-        if kernel == "auto" and w.dtype not in (torch.bfloat16, torch.float16):
+        if kernel == "native" or w is None or w.device.type != "cpu" or not fbgemm_fp16_available():
             return
         if getattr(drafter.lm_head, "bias", None) is not None:
             return
         w = drafter.lm_weight()                        # [V', H]: draft-vocabulary rows where it has one
-        if not bool(torch.isfinite(w).all()) or float(w.abs().max()) >= 65504:
+        if not bool(torch.isfinite(w).all()) or float(w.abs().max()) >= FP16_MAX:
             return
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
-            packed = torch.fbgemm_pack_gemm_matrix_fp16(w.float().contiguous())
-        bias = torch.zeros(w.shape[0])
+        if kernel == "auto" and not fp16_exact(w):
+            return
+        packed, bias = pack_fp16(w), torch.zeros(w.shape[0])
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
         with torch.no_grad():
             want = drafter.logits(probe)
-            have = self._fp16(probe.float(), packed, bias)
+            have = fp16_linear(probe, packed, bias, w.shape[0])
         if want.shape != have.shape or not torch.allclose(want, have, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
             return
         self.kernel, self._packed, self._bias = "fp16", packed, bias
 
-    @staticmethod
-    def _fp16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
-            return torch.fbgemm_linear_fp16_weight(x, packed, bias)
-
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._packed is None:
             return self.drafter.logits(hidden)
-        shape = hidden.shape[:-1]
-        x = hidden.reshape(-1, hidden.shape[-1]).float().contiguous()
-        return self._fp16(x, self._packed, self._bias).view(*shape, -1)
+        return fp16_linear(hidden, self._packed, self._bias, self._bias.shape[0])
 
 
 class TorchDraftRunner(ContextCacheRunner):

@@ -79,7 +79,7 @@ def target_record(target, target_dir=None) -> dict:
                    "rope_theta": c.rope_theta, "rope_scaling": c.rope_scaling,
                    "max_position_embeddings": c.max_position_embeddings,
                    "tie_word_embeddings": c.tie_word_embeddings},
-        "dtype": str(target.embed_tokens.weight.dtype).removeprefix("torch."),
+        "dtype": target.precision,
         "frozen_sha256": frozen_sha256(target),
     }
     if target_dir is not None:

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-RULE_CHOICES = ("ar", "argmax", "lilicorr", "viterbi")
+RULE_CHOICES = ("ar", "argmax", "lilicorr", "viterbi", "tree")
 SCALARS = ("tau", "oracle_tau", "tokens_per_s", "speedup_vs_ar", "tau_over_oracle", "generated_tokens",
            "wall_s", "mean_output_len")
 
@@ -68,9 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="with --untrained: block size B")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context limit of the engine")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="target dtype; auto = bfloat16 where this machine has native bf16 matmuls (or CUDA), "
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
+                   help="target precision; auto = bfloat16 where this machine has native bf16 matmuls (or CUDA), "
+                        "else fp16-weights (fp16 weight matrices, fp32 arithmetic; CPU fbgemm) where available, "
                         "else float32")
+    p.add_argument("--tree-nodes", type=int, default=16,
+                   help="rule tree: draft-tree nodes M verified per step (best-first over the lattice)")
     p.add_argument("--draft-length", default=None,
                    help="drafted tokens verified per step: N, or auto (per row and step from the lattice's "
                         "scores and a cost model measured at start-up); default: the whole block")
@@ -277,15 +280,15 @@ def _make_engine(args):
 
     from lilicorr.checkpoint import CheckpointError
     from lilicorr.engine import SpecEngine
-    from lilicorr.target import resolve_dtype
+    from lilicorr.target import resolve_precision
 
     kw = {"draft_backend": args.draft_backend} if args.engine else {}
     try:
         return SpecEngine.from_paths(
             args.target, ckpt_dir=args.ckpt, engine_dir=args.engine, max_batch=args.batch_size,
-            max_seq_len=args.max_seq_len, device=args.device, dtype=resolve_dtype(args.dtype, args.device),
+            max_seq_len=args.max_seq_len, device=args.device, dtype=resolve_precision(args.dtype, args.device),
             untrained_seed=0 if args.untrained else None, block_size=args.block_size,
-            draft_length=args.draft_length, **kw)
+            draft_length=args.draft_length, tree_nodes=args.tree_nodes, **kw)
     except CheckpointError as e:
         raise EvalError(f"--ckpt {args.ckpt}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
@@ -322,7 +325,7 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
     spec_rules = [r for r in args.rules if r != "ar"]
     if spec_rules and engine.runner is None:
         raise EvalError(f"rules {', '.join(spec_rules)} need a drafter")
-    if any(r in ("lilicorr", "viterbi") for r in args.rules) and not engine.runner.has_head:
+    if any(r in ("lilicorr", "viterbi", "tree") for r in args.rules) and not engine.runner.has_head:
         raise EvalError("this checkpoint is vanilla DFlash (no LiLiCorr head): use --rules ar,argmax")
     seeds = args.seeds if args.temperature > 0 else args.seeds[:1]
     if args.temperature == 0 and len(args.seeds) > 1:
@@ -420,9 +423,10 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "max_seq_len": engine.max_seq_len,
             "stop_ids": stop_ids,
             "device": args.device,
-            "dtype": str(engine.target.embed_tokens.weight.dtype).removeprefix("torch."),
+            "dtype": engine.target.precision,
             "dtype_requested": args.dtype,
             "draft_length": args.draft_length or "block",
+            "tree_nodes": args.tree_nodes,
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
             "profile": bool(args.profile),

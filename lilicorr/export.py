@@ -823,8 +823,8 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             "target_dir": tpath, "ckpt": cpath,
             "block_size": d.block_size, "top_k": h.top_k, "sigma": h.sigma, "has_head": has_head,
             "dtype": "float32",
-            # how to serve this engine: target dtype ("auto" = bf16 where the machine has native bf16
-            # matmuls) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
+            # how to serve this engine: target precision ("auto": lilicorr.target.resolve_precision on the
+            # serving machine) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
             "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or "")},
             "draft_vocab_size": d.draft_vocab_size,
             "checkpoint": {"path": cpath, "sha256": weights_sha, "config_sha256": file_sha256(ckpt_dir / CONFIG),

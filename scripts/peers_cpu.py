@@ -6,9 +6,10 @@ draft length) offline, plus `lilicorr` / `ar` through a real Triton server when 
     python scripts/peers_cpu.py --target .cache/smollm2-135m-instruct-float32 \\
         --ckpt checkpoints/smollm2-lilicorr --engine engines/smollm2-lilicorr-onnxruntime \\
         --suites humaneval,lilicorr/data/chat_first_turn.jsonl --limit 6 --max-tokens 64 \\
-        --settings float32:1,bfloat16:1,float32:2,bfloat16:2 --out results/peers_cpu
+        --settings float32:1,bfloat16:2,fp16-weights:1,fp16-weights:2 --triton-settings fp16-weights:1 \\
+        --out results/peers_cpu
 
-Every setting (dtype:threads) runs every system on the same prompts in one process, systems taking
+Every setting (precision:threads) runs every system on the same prompts in one process, systems taking
 turns per prompt, so load drift on a shared machine hits all of them alike. Writes OUT.json, OUT.md
 and OUT.png (tokens/s per system, setting and suite). Re-run it when a new checkpoint lands.
 """
@@ -38,21 +39,22 @@ def run_setting(args, dtype: str, threads: int, suites: dict, tok, log) -> list[
     from lilicorr.engine import SpecEngine
 
     torch.set_num_threads(threads)
-    tdtype = getattr(torch, dtype)
-    systems = [s for s in args.systems if s in HF_SYSTEMS + OUR_SYSTEMS]
-    hf = AutoModelForCausalLM.from_pretrained(args.target, torch_dtype=tdtype).eval() \
+    systems = [s for s in args.systems if s in OUR_SYSTEMS
+               or (s in HF_SYSTEMS and dtype in ("float32", "bfloat16", "float16"))]   # HF: torch dtypes only
+    hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, dtype)).eval() \
         if any(s in HF_SYSTEMS for s in systems) else None
     engines = {}
     for s in systems:
         if s in OUR_SYSTEMS:
             dl = "auto" if s == "lilicorr_auto" else None
             engines[s] = SpecEngine.from_paths(args.target, ckpt_dir=None if s == "ar" else args.ckpt, max_batch=1,
-                                               dtype=tdtype, draft_length=dl)
+                                               dtype=dtype, draft_length=dl)
     stop = sorted(tok.eos_ids)
     rows = []
     for suite, prompts in suites.items():
         acc = {s: {"tokens": 0, "seconds": 0.0, "accepted": 0, "steps": 0} for s in systems}
-        for i, item in enumerate(prompts[: args.warmup + len(prompts)]):
+        warm = [(True, it) for it in prompts[: args.warmup]] if suite == next(iter(suites)) else []
+        for untimed, item in warm + [(False, it) for it in prompts]:
             ids = chat_ids(tok, item)
             for s in systems:
                 t0 = time.perf_counter()
@@ -67,6 +69,8 @@ def run_setting(args, dtype: str, threads: int, suites: dict, tok, log) -> list[
                     r = engines[s].generate([ids], args.max_tokens, rule=rule, stop_ids=stop)[0]
                     n, acc_t, steps = len(r.tokens), r.accepted_tokens, r.num_steps
                 dt = time.perf_counter() - t0
+                if untimed:
+                    continue
                 a = acc[s]
                 a["tokens"] += n
                 a["seconds"] += dt
@@ -170,15 +174,18 @@ def main(argv=None) -> int:
     p.add_argument("--suites", default="humaneval,lilicorr/data/chat_first_turn.jsonl")
     p.add_argument("--limit", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--settings", default="float32:1,bfloat16:1,float32:2,bfloat16:2", help="dtype:threads,...")
+    p.add_argument("--settings", default="float32:1,bfloat16:2,fp16-weights:1,fp16-weights:2",
+                   help="precision:threads,... (HF runs only at torch dtypes; fp16-weights is ours)")
+    p.add_argument("--triton-settings", default=None,
+                   help="with --engine: the settings served through Triton (default: all of --settings)")
     p.add_argument("--systems", default=",".join(HF_SYSTEMS + OUR_SYSTEMS))
     p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
-    p.add_argument("--warmup", type=int, default=0, help="(reserved) untimed prompts")
+    p.add_argument("--warmup", type=int, default=1, help="untimed prompts per system and setting, first")
     p.add_argument("--note", default="")
     p.add_argument("--out", required=True, help="output path without suffix (.json, .md, .png)")
     args = p.parse_args(argv)
     args.systems = args.systems.split(",")
-    args.warmup = 0
+    triton_settings = (args.triton_settings or args.settings).split(",")
 
     from lilicorr.data.suites import load_prompts
     from lilicorr.tokenizer import Tokenizer
@@ -190,7 +197,7 @@ def main(argv=None) -> int:
     for setting in args.settings.split(","):
         dtype, threads = setting.split(":")
         rows += run_setting(args, dtype, int(threads), suites, tok, log)
-        if args.engine:
+        if args.engine and setting in triton_settings:
             rows += run_triton(args, suites, dtype, int(threads), log)
     cmd = "python scripts/peers_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)

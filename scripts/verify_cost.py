@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Measure the target's verify cost t(k)/t(1), k = 1..16, for fp32 and bf16 at 1 and 2 threads.
+"""Measure the target's verify cost t(k)/t(1), k = 1..16, per precision (fp32, bf16, fp16-weights)
+at 1 and 2 threads.
 
     python scripts/verify_cost.py --target .cache/smollm2-135m-instruct-float32 \\
         --out results/verify_cost_cpu --rows 1
 
 One process, every setting side by side: the settings take turns in `--rounds` rounds (each round
 runs every k of every setting), and each ratio is the median over rounds of per-round medians, so
-load drift on a shared machine hits every setting alike. Writes OUT.json and OUT.md.
+load drift on a shared machine hits every setting alike. Writes OUT.json, OUT.md and OUT.png
+(t(k) in ms per setting).
 """
 from __future__ import annotations
 
@@ -34,6 +36,26 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def plot(rows: list[dict], path: Path) -> None:
+    """t(k) in ms against k, one line per (precision, threads)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in rows:
+        ks = sorted(r["ms"])
+        ax.plot(ks, [r["ms"][k] for k in ks], marker="o", ms=3, label=f"{r['dtype']}, {r['threads']} thread(s)")
+    ax.set_xlabel("tokens per forward k (1 = a plain decode step)")
+    ax.set_ylabel("target forward (ms)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title("Target verify cost on this CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
@@ -43,13 +65,13 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=200, help="cached tokens per row")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=4, help="forwards per k per round")
-    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--dtypes", default="float32,bfloat16,fp16-weights", help="target precisions (PRECISIONS)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--note", default="", help="free text for the results file (e.g. 'machine shared')")
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
     threads = [int(t) for t in args.threads.split(",")]
-    targets = {d: load_target(args.target, dtype=getattr(torch, d)) for d in dtypes}
+    targets = {d: load_target(args.target, dtype=d) for d in dtypes}
     ks = range(1, args.max_k + 1)
     per_round: dict[tuple[str, int], list[dict[int, float]]] = {(d, t): [] for d in dtypes for t in threads}
     for r in range(args.rounds):
@@ -63,7 +85,8 @@ def main(argv=None) -> int:
     for (d, t), acc in per_round.items():
         t1 = statistics.median(a[1] for a in acc)
         ratios = {k: statistics.median(a[k] / a[1] for a in acc) for k in ks}
-        rows.append({"dtype": d, "threads": t, "t1_ms": t1 * 1e3, "ratio": ratios})
+        rows.append({"dtype": d, "threads": t, "t1_ms": t1 * 1e3, "ratio": ratios,
+                     "ms": {k: statistics.median(a[k] for a in acc) * 1e3 for k in ks}})
     ks_show = list(ks)
     head = "| dtype, threads | t(1) | " + " | ".join(f"k={k}" for k in ks_show[1:]) + " |"
     lines = [head, "|---|" + "---:|" * len(ks_show)]
@@ -85,11 +108,13 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(md)
+    plot(rows, out.with_suffix(".png"))
     out.with_suffix(".json").write_text(json.dumps({
         "command": cmd, "rows": args.rows, "context": args.context, "rounds": args.rounds, "reps": args.reps,
         "torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_flags": cpu_flags(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "note": args.note,
-        "results": [{**r, "ratio": {str(k): v for k, v in r["ratio"].items()}} for r in rows]}, indent=2))
+        "results": [{**r, "ratio": {str(k): v for k, v in r["ratio"].items()},
+                     "ms": {str(k): v for k, v in r["ms"].items()}} for r in rows]}, indent=2))
     print(md)
     return 0
 

@@ -91,10 +91,11 @@ def engine_server(serving_target, tiny_engine_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def offline_engine(serving_target, tiny_engine_dir):
-    """The same engine the server runs, in the test process (the reference for greedy outputs)."""
+    """The same engine the server runs, in the test process (the reference for greedy outputs): the
+    target in the precision the server picks ("auto", the manifest's serving choice)."""
     from lilicorr.engine import SpecEngine
     return SpecEngine.from_paths(serving_target, engine_dir=tiny_engine_dir, draft_backend="onnxruntime",
-                                 max_batch=8, max_seq_len=MAX_SEQ_LEN)
+                                 max_batch=8, max_seq_len=MAX_SEQ_LEN, dtype="auto")
 
 
 @pytest.fixture(scope="session")

@@ -710,3 +710,45 @@ def test_bf16_speculative_agrees_with_ar_up_to_near_ties(tiny_target_dir, family
     tau = sum(r.accepted_tokens for r in results) / sum(r.num_steps for r in results)
     assert tau > 1.5, f"tau {tau:.2f}: the k-token verify path is barely exercised"
     assert rate > 0.25 and len(divergences) < len(reqs), "speculative output does not follow ar at all"
+
+
+# ---------------------------------------------------------------------------------- fp16 weights
+def _fp16_weights_lossless(target, prompts, n_new: int, block: int, seed: int):
+    """Greedy `ar` of `target`, then every speculative rule with scripted drafts along it (mostly
+    accepted, some slots corrupted), all requests batched: (requests, results, ar outputs)."""
+    vocab = target.config.vocab_size
+    ar_engine = SpecEngine(target, TorchDraftRunner(small_model(target, block, top_k=2), 1), max_batch=1)
+    ar = [ar_engine.generate([p], n_new + block, rule="ar")[0].tokens for p in prompts]
+    truths = {i: p + t for i, (p, t) in enumerate(zip(prompts, ar))}
+    runner = ScriptedRunner(small_model(target, block, top_k=2), 8,
+                            Corruptor(truths, vocab, block, top_k=2, seed=seed, high_accept=True))
+    engine = SpecEngine(target, runner, max_batch=8)
+    reqs = [dict(prompt=p, max_tokens=n_new, rule=rule, key=i) for i, p in enumerate(prompts) for rule in SPEC_RULES]
+    results, _ = run_requests(engine, reqs, runner=runner)
+    return reqs, results, ar
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fp16_weights_speculative_equals_ar(tiny_target_dir, family):
+    """With the target as fp16-weights (fp16 weight matrices, fp32 arithmetic) a k-token verify and
+    a 1-token step multiply the same fp16 values with fp32 accumulation: greedy output of every
+    speculative rule equals greedy `ar` of the same target token for token, with multi-token
+    acceptance exercised (tau > 1.5)."""
+    target = load_target(tiny_target_dir(family), dtype="fp16-weights")
+    assert target.precision == "fp16-weights"
+    prompts = random_prompts(PROMPT_LENS, target.config.vocab_size, seed=5)
+    reqs, results, ar = _fp16_weights_lossless(target, prompts, n_new=24, block=8, seed=2)
+    for req, r in zip(reqs, results):
+        assert r.tokens == ar[req["key"]][:24], f"{req['rule']} request {req['key']} differs from ar"
+    tau = sum(r.accepted_tokens for r in results) / sum(r.num_steps for r in results)
+    assert tau > 1.5, f"tau {tau:.2f}: the k-token verify path is barely exercised"
+
+
+@pytest.mark.slow
+def test_smollm2_fp16_weights_speculative_equals_ar(smollm2_dir):
+    """The same on SmolLM2-135M-Instruct with chat prompts (the precision `auto` serves on CPUs
+    without native bf16)."""
+    target = load_target(smollm2_dir, dtype="fp16-weights")
+    reqs, results, ar = _fp16_weights_lossless(target, _smollm2_prompts(smollm2_dir), n_new=20, block=8, seed=4)
+    for req, r in zip(reqs, results):
+        assert r.tokens == ar[req["key"]][:20], f"{req['rule']} request {req['key']} differs from ar"

@@ -88,6 +88,51 @@ def test_bf16_weights_give_fp32_logits(tiny_target_dir, family, overrides):
     assert ref_err > 0                     # bf16 really ran (fp32 would match exactly)
 
 
+@pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("llama", {"tie_word_embeddings": True}),
+                                              ("qwen2", {})])
+@torch.no_grad()
+def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir, family, overrides):
+    """precision fp16-weights is exactly stated: transformers in fp32 with every weight matrix
+    (linears and the embedding) rounded to fp16 gives the same logits, to fp32 reduction order.
+    Norms and biases stay fp32; a tied embedding is rounded once and still shared."""
+    from lilicorr.fp16_linear import FP16WeightLinear, fp16_exact
+    path = tiny_target_dir(family, **overrides)
+    ours, ref = load_target(path, dtype="fp16-weights"), _hf(path)
+    assert ours.precision == "fp16-weights" and load_target(path).precision == "float32"
+    assert isinstance(ours.lm_head, FP16WeightLinear) and isinstance(ours.layers[0].mlp.down_proj, FP16WeightLinear)
+    assert ours.embed_tokens.weight.dtype == torch.float32 and fp16_exact(ours.embed_tokens.weight)
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == bool(overrides.get("tie_word_embeddings"))
+    for name, w in ref.named_parameters():
+        if w.dim() == 2:
+            w.copy_(w.half().float())
+    ids = torch.randint(0, ours.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    out = ours(ids, _positions(2, 11))
+    assert out.logits.dtype == torch.float32
+    _close(out.logits, ref(ids).logits)
+    fp32 = load_target(path)(ids, _positions(2, 11)).logits      # and it really differs from fp32
+    assert float((fp32 - out.logits).abs().max()) > 0
+
+
+def test_precision_names_resolve(monkeypatch):
+    """auto: bf16 on CUDA / native-bf16 CPUs, else fp16-weights where fbgemm has it, else fp32;
+    fp16-weights computes in float32 and is refused on CUDA; unknown names are refused."""
+    import lilicorr.fp16_linear as fl
+    import lilicorr.target as tg
+    assert tg.resolve_precision("auto", "cuda") == "bfloat16" and tg.resolve_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
+    assert tg.resolve_precision(None) == "fp16-weights" and tg.resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: False)
+    assert tg.resolve_precision("auto") == "float32"
+    monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: True)
+    assert tg.resolve_precision("auto") == "bfloat16"
+    assert tg.resolve_precision(torch.float16) == "float16" and tg.resolve_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="CPU precision"):
+        tg.resolve_precision("fp16-weights", "cuda")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        tg.resolve_precision("int8")
+
+
 def _greedy_full(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     """Reference: recompute the whole sequence without a cache for every new token."""
     ids, logits = list(ids), []

@@ -1,0 +1,96 @@
+"""fp16-weight linear layers for CPU inference: weights stored as fp16, activations and
+accumulation in fp32 (fbgemm's fp16-weight GEMM).
+
+A decode step on a CPU is memory-bound: a plain SmolLM2-135M step reads ~540 MB of fp32 weights.
+fbgemm packs each weight matrix once as fp16 and converts it on the fly inside an fp32 GEMM, so
+every step reads half the bytes, and its small-M kernel keeps a k-token verify close to a 1-token
+step (results/verify_cost_cpu.md: about 2x faster plain steps than fp32, and t(4)/t(1) ~1.1
+instead of ~1.5 on an AVX2 machine without bf16 instructions).
+
+The model this defines is exact and simple to state: every weight matrix (linears and embedding
+tables) rounded to fp16 (10-bit mantissa: 8x finer than bf16), everything else in fp32. `FP16WeightLinear.weight` holds
+the rounded values in fp32, so code that reads the weight (the drafter's draft-vocabulary rows,
+a tied embedding) sees the same numbers the kernel multiplies with.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+FP16_MAX = 65504.0
+
+
+def fbgemm_fp16_available() -> bool:
+    """Whether this PyTorch build has fbgemm's fp16-weight GEMM (x86 CPU builds)."""
+    return hasattr(torch, "fbgemm_pack_gemm_matrix_fp16") and "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def pack_fp16(weight: torch.Tensor) -> torch.Tensor:
+    """[O, I] weight -> fbgemm's packed fp16 matrix (an opaque CPU tensor)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
+        return torch.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
+
+
+def fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [..., I] (any float dtype) @ packed^T + bias -> float32 [..., O]."""
+    shape = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()              # [M, I]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
+        y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)          # [M, O]
+    return y.view(*shape, out_features)
+
+
+def fp16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value of `weight` survives a round trip through fp16 unchanged."""
+    w = weight.detach()
+    return bool(torch.isfinite(w).all()) and bool(torch.equal(w.half().to(w.dtype), w))
+
+
+class FP16WeightLinear(nn.Module):
+    """Inference stand-in for an `nn.Linear` on CPU: the weight rounded to fp16 once (in place, so a
+    tied embedding shares the rounding) and packed for fbgemm; forward takes and returns float32."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if linear.weight.device.type != "cpu":
+            raise ValueError("fp16-weight linears run on CPU (fbgemm); use bfloat16 on CUDA")
+        if not fbgemm_fp16_available():
+            raise RuntimeError("this PyTorch build has no fbgemm fp16 GEMM; use --dtype float32")
+        w = linear.weight
+        if float(w.detach().abs().max()) >= FP16_MAX:
+            raise ValueError(f"a weight of {tuple(w.shape)} exceeds fp16's range; use --dtype float32")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            w.copy_(w.half().to(w.dtype))                 # the values the kernel multiplies with
+        self.weight = w                                    # [O, I] float32, fp16-exact
+        b = linear.bias
+        self.bias = b if b is not None else None
+        self._bias = (b.detach().float() if b is not None else torch.zeros(self.out_features)).contiguous()
+        self._packed = pack_fp16(w)                         # not a buffer: stays out of state_dict
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp16_linear(x, self._packed, self._bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16 (fbgemm)"
+
+
+def use_fp16_weights(model: nn.Module) -> int:
+    """Replace every `nn.Linear` in `model` by an `FP16WeightLinear` and round every `nn.Embedding`
+    table to fp16 values (in place; embeddings stay float32 tensors); returns the number of linears."""
+    count = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(module, name, FP16WeightLinear(child))
+                count += 1
+            elif isinstance(child, nn.Embedding):
+                if float(child.weight.detach().abs().max()) >= FP16_MAX:
+                    raise ValueError("an embedding value exceeds fp16's range; use --dtype float32")
+                with torch.no_grad():
+                    child.weight.copy_(child.weight.half().to(child.weight.dtype))
+    return count
