@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--messages", help="JSON file with a chat list of {role, content}")
     p.add_argument("--ids", help="comma-separated prompt token ids (sent to the `lilicorr` model directly)")
     p.add_argument("--max-tokens", type=int, default=None)
-    p.add_argument("--rule", dest="decode_rule", default=None, help="lilicorr | viterbi | argmax | ar")
+    p.add_argument("--rule", dest="decode_rule", default=None, help="lilicorr | viterbi | argmax | ar | tree")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--no-stream", action="store_true", help="ask for a single response at the end")

@@ -10,6 +10,14 @@ rejected tokens roll back by length. One step for the speculative rows:
 
 Rows with rule `ar` verify a single token per step (plain autoregressive decoding).
 
+Rule `tree` (greedy): instead of the walk's one path, the best `tree_nodes` = M nodes of the
+lattice's path tree (`lattice.build_tree`: best-first by summed log-conditionals, Eq. 2) are
+verified in one target forward over [anchor, M nodes] with a tree attention mask and positions by
+depth; the longest path whose tokens equal the target's argmax is accepted (plus the bonus token)
+and the target cache is compacted to that path (`KVCache.keep_paths`). At T > 0 a `tree` row runs
+the single-path `lilicorr` rule (exact rejection sampling along one path) until a multi-draft rule
+exists.
+
 Draft length (`draft_length`): None verifies the whole block; an int N verifies the first N drafted
 tokens; "auto" chooses per row and step from the lattice's own scores. The walk's local
 probabilities (softmax of the match scores at each chosen candidate, calibrated per slot against
@@ -37,6 +45,7 @@ from pathlib import Path
 import torch
 
 from lilicorr.costmodel import CostModel, best_length
+from lilicorr.lattice import build_tree, tree_attention
 from lilicorr.model import RULES, load_model, untrained_model
 from lilicorr.profiling import BLOCK, STAGE_ACCEPT, STAGE_DRAFT, STAGE_VERIFY, nvtx_range, stage
 from lilicorr.target import load_target
@@ -151,9 +160,13 @@ def _expected(rates) -> list[float]:
 
 class SpecEngine:
     def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048,
-                 draft_length: int | str | None = None):
+                 draft_length: int | str | None = None, tree_nodes: int = 16):
         """target: TargetModel; runner: a draft runner (None -> only rule `ar`); draft_length: None
-        (whole block), N (verify the first N drafts) or "auto" (module docstring)."""
+        (whole block), N (verify the first N drafts) or "auto" (module docstring); tree_nodes: the
+        draft-tree size M of rule `tree`."""
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or not 1 <= tree_nodes <= 256:
+            raise ValueError(f"tree_nodes must be an integer in [1, 256], got {tree_nodes!r}")
+        self.tree_nodes = tree_nodes
         self.target = target
         self.runner = runner
         self.max_batch = max_batch
@@ -184,7 +197,7 @@ class SpecEngine:
                    max_seq_len: int = 2048, device: str = "cpu", dtype=torch.float32,
                    draft_backend: str = "torch", yarn_factor: float | None = None,
                    untrained_seed: int | None = None, block_size: int | None = None,
-                   draft_length: int | str | None = None) -> "SpecEngine":
+                   draft_length: int | str | None = None, tree_nodes: int = 16) -> "SpecEngine":
         """Target from an HF folder; drafter+head from a checkpoint, an engine directory (its
         manifest names the checkpoint and the built graph), or untrained (`untrained_seed`)."""
         target = load_target(target_dir, dtype=dtype, device=device)
@@ -201,7 +214,8 @@ class SpecEngine:
         elif untrained_seed is not None:
             from lilicorr.draft_runner import TorchDraftRunner
             runner = TorchDraftRunner(untrained_model(target, seed=untrained_seed, block_size=block_size), max_batch)
-        return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len, draft_length=draft_length)
+        return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len, draft_length=draft_length,
+                   tree_nodes=tree_nodes)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
@@ -224,7 +238,7 @@ class SpecEngine:
             raise ValueError(f"unknown decode rule {rule!r}; choose from {', '.join(RULES)}")
         if rule != "ar" and self.runner is None:
             raise ValueError(f"rule {rule!r} needs a drafter; this engine has none (only 'ar')")
-        if rule in ("lilicorr", "viterbi") and not self.runner.has_head:
+        if rule in ("lilicorr", "viterbi", "tree") and not self.runner.has_head:
             raise ValueError(f"rule {rule!r} needs a LiLiCorr head; this checkpoint is vanilla DFlash")
         if isinstance(max_tokens, bool):
             raise ValueError(f"max_tokens must be a positive integer, got {max_tokens!r}")
@@ -311,12 +325,16 @@ class SpecEngine:
         if fresh:
             with nvtx_range("engine/prefill"):
                 events += self._prefill(fresh)
-        spec = [s for s in running if s.rule != "ar"]
+        tree = [s for s in running if s.rule == "tree" and s.temperature == 0]
+        spec = [s for s in running if s.rule != "ar" and not (s.rule == "tree" and s.temperature == 0)]
         ar = [s for s in running if s.rule == "ar"]
-        if spec or ar:
+        if spec or ar or tree:
             with stage(BLOCK):
                 if spec:
                     events += self._spec_step(spec)
+                if tree:
+                    with nvtx_range("engine/tree_step"):
+                        events += self._tree_step(tree)
                 if ar:
                     with nvtx_range("engine/ar_step"):
                         events += self._ar_step(ar)
@@ -379,17 +397,8 @@ class SpecEngine:
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
             apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
         if dseqs:
-            with stage(STAGE_DRAFT):
-                dslots = torch.tensor([s.dslot for s in dseqs], device=dev)
-                pend = [(i, s) for i, s in enumerate(dseqs) if s.pending is not None and len(s.pending)]
-                if pend:
-                    self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
-                                               torch.tensor([s.pending_pos for _, s in pend], device=dev))
-                    for _, s in pend:
-                        s.pending = None
-                state = torch.stack([s.state for s in dseqs])                 # [D, n, H]
             sel = torch.tensor(d_idx, device=dev)
-            prop = self.runner.draft(dslots, anchors[sel], apos[sel], state, [s.rule for s in dseqs])
+            prop = self._draft(dseqs, anchors[sel], apos[sel])
             if auto:
                 self.cost.observe_draft(n, time.perf_counter() - t0)
         # drafts verified per row
@@ -433,26 +442,96 @@ class SpecEngine:
                     a = int(match.sum())
                     bonus = int(greedy[i, a])
                 # oracle: settled against the target's own continuation once it is known
-                s.open_pools.append((s.anchor_pos, pools[where[i]] if i in where else []))
-                for j in range(min(a + 1, n_d)):
-                    s.slot_reached[j] += 1
-                for j in range(a):
-                    s.slot_accepted[j] += 1
-                s.accept_hist[a + 1] += 1
+                self._record(s, out.captured[i, : a + 1].clone(), min(a + 1, n_d), a,
+                             pools[where[i]] if i in where else [])
                 if auto and i in where:
                     self._learn(s, a, n_d, probs[where[i]].tolist() if probs is not None else None)
                 # roll the target cache back to anchor + accepted drafts (bonus not yet run)
                 new_len.append(s.anchor_pos + a + 1)
-                feats = out.captured[i, : a + 1].clone()                       # [a+1, n, H]
-                if s.pending is None:
-                    s.pending, s.pending_pos = feats, s.anchor_pos
-                else:                      # a row that skipped drafting keeps its features queued
-                    s.pending = torch.cat([s.pending, feats])
-                s.state = out.captured[i, a].clone()
-                s.steps += 1
                 events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=n_d))
                 self._settle_oracle(s)
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
+        return events
+
+    def _draft(self, dseqs: list[_Seq], anchors: torch.Tensor, apos: torch.Tensor):
+        """The drafter's context catches up on the rows' verified features, then one block per row
+        (a `tree` row drafts as `lilicorr`: the lattice's scores come with the proposal)."""
+        dev = self.device
+        with stage(STAGE_DRAFT):
+            dslots = torch.tensor([s.dslot for s in dseqs], device=dev)
+            pend = [(i, s) for i, s in enumerate(dseqs) if s.pending is not None and len(s.pending)]
+            if pend:
+                self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
+                                           torch.tensor([s.pending_pos for _, s in pend], device=dev))
+                for _, s in pend:
+                    s.pending = None
+            state = torch.stack([s.state for s in dseqs])                     # [D, n, H]
+        return self.runner.draft(dslots, anchors, apos, state,
+                                 ["lilicorr" if s.rule == "tree" else s.rule for s in dseqs])
+
+    def _record(self, s: _Seq, feats: torch.Tensor, depth_reached: int, a: int, pools) -> None:
+        """Per-row bookkeeping of one verified step: slot statistics (`depth_reached` drafted slots
+        were checked, `a` accepted), the oracle pools, the verified features [a+1, n, H] queued for
+        the drafter context and the head's next target state (the last of them)."""
+        s.open_pools.append((s.anchor_pos, pools))
+        for j in range(depth_reached):
+            s.slot_reached[j] += 1
+        for j in range(a):
+            s.slot_accepted[j] += 1
+        s.accept_hist[a + 1] += 1
+        if s.pending is None:
+            s.pending, s.pending_pos = feats, s.anchor_pos
+        else:                      # a row that skipped drafting keeps its features queued
+            s.pending = torch.cat([s.pending, feats])
+        s.state = feats[-1].clone()
+        s.steps += 1
+
+    @torch.no_grad()
+    def _tree_step(self, seqs: list[_Seq]) -> list[StepEvent]:
+        """Greedy rule `tree` (module docstring): draft, build each row's tree from the lattice,
+        verify [anchor, M nodes] in one forward, accept the longest matching path, compact the cache."""
+        dev, n = self.device, len(seqs)
+        anchors = torch.tensor([s.anchor for s in seqs], device=dev)
+        apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
+        prop = self._draft(seqs, anchors, apos)
+        with stage(STAGE_ACCEPT):                                              # host-side tree build
+            tree = build_tree(prop.anchor_scores, prop.pair_scores, self.tree_nodes)
+            tokens = tree.tokens(prop.cand_ids.cpu())                          # [N, M]
+            vis = tree_attention(tree.parent)                                  # [N, 1+M, 1+M]
+            m = tokens.shape[1]
+        with stage(STAGE_VERIFY):
+            block = torch.cat([anchors.cpu()[:, None], tokens], 1).to(dev)     # [N, 1+M]
+            depth = torch.cat([torch.zeros(n, 1, dtype=torch.long), tree.depth + 1], 1).to(dev)
+            rows = torch.tensor([s.tslot for s in seqs], device=dev)
+            start = self.cache.lengths[rows].clone()                           # [N] = anchor positions
+            out = self.target(block, apos[:, None] + depth, cache=self.cache, rows=rows, capture=self.capture,
+                              tree=vis.to(dev))
+        events = []
+        with stage(STAGE_ACCEPT):
+            greedy = out.logits.argmax(-1).cpu()                               # [N, 1+M]
+            parent, tok = tree.parent.tolist(), tokens.tolist()
+            pools = prop.cand_ids.cpu().tolist()                               # [N][S][K]
+            paths = []
+            for i, s in enumerate(seqs):
+                children: dict[int, list[int]] = {}
+                for node in range(m):
+                    children.setdefault(parent[i][node] + 1, []).append(node + 1)
+                path, cur = [0], 0                     # positions in the block: 0 = anchor, node + 1
+                while True:
+                    want = int(greedy[i, cur])
+                    nxt = next((c for c in children.get(cur, ()) if tok[i][c - 1] == want), None)
+                    if nxt is None:
+                        break
+                    path.append(nxt)
+                    cur = nxt
+                a, bonus = len(path) - 1, int(greedy[i, cur])
+                paths.append(path)
+                drafts = [tok[i][c - 1] for c in path[1:]]
+                depth_reached = min(a + 1, self.block_size - 1)
+                self._record(s, out.captured[i, path].clone(), depth_reached, a, pools[i])
+                events.append(self._commit(s, drafts + [bonus], accepted=a + 1, drafted=m))
+                self._settle_oracle(s)
+            self.cache.keep_paths(rows, start, paths)
         return events
 
     # -- adaptive draft length -----------------------------------------------------------------

@@ -72,6 +72,31 @@ class KVCache:
             raise ValueError(f"truncate: new lengths {new.tolist()} outside [0, {self.lengths[rows].tolist()}]")
         self.lengths[rows] = new
 
+    def keep_paths(self, rows: torch.Tensor, start: torch.Tensor, offsets: list[list[int]]) -> None:
+        """After a draft-tree verify: row i keeps the entries at start[i] + offsets[i][d], moved to
+        start[i] + d (d = 0, 1, ...), and its length becomes start[i] + len(offsets[i]). Offsets of a
+        row are increasing (a tree path in expansion order), so every move goes backwards."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        start = torch.as_tensor(start, dtype=torch.long, device=self.device)
+        r, src, dst = [], [], []
+        for i, offs in enumerate(offsets):
+            if any(b <= a for a, b in zip(offs, offs[1:])) or (offs and offs[0] < 0):
+                raise ValueError(f"keep_paths: offsets {offs} are not increasing from >= 0")
+            b = int(start[i])
+            for d, o in enumerate(offs):
+                if o != d:
+                    r.append(int(rows[i]))
+                    src.append(b + o)
+                    dst.append(b + d)
+        new = start + torch.tensor([len(o) for o in offsets], dtype=torch.long, device=self.device)
+        if bool((new > self.lengths[rows]).any()):
+            raise ValueError(f"keep_paths: paths reach past the cached lengths {self.lengths[rows].tolist()}")
+        if r:
+            ri, si, di = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (r, src, dst))
+            for buf in (self.k, self.v):                     # [L, slots, h, C, D]; the source is copied first
+                buf[:, ri, :, di] = buf[:, ri, :, si]
+        self.lengths[rows] = new
+
     def advance(self, rows: torch.Tensor, n: torch.Tensor | int) -> None:
         """lengths[rows] += n (after a write of n real tokens per row)."""
         rows = torch.as_tensor(rows, dtype=torch.long, device=self.device)

@@ -8,6 +8,8 @@ Slot indexing: array slot j (0..S-1) is the paper's slot j+1; the anchor is the 
     pair_scores[n, j, k, k']   = sigma * <o[n, j, k],    i[n, j+1, k']>        (Eq. 1, s = j+1)
     greedy (Eq. 8):  c_0 = argmax_k anchor_scores[n, k],  c_{j+1} = argmax_k pair_scores[n, j, c_j, k]
     path score (Eq. 12): g(c) = anchor_scores[n, c_0] + sum_j pair_scores[n, j, c_j, c_{j+1}]
+    draft tree (rule `tree`): best-first expansion of paths by their summed log-conditionals,
+        log softmax_k anchor_scores (root) + sum_j log softmax_k' pair_scores[n, j, c_j, :] (Eq. 2)
 
 The in/out vectors are unit norm (the head normalises them), so the cosine of Eq. 1 is a dot
 product here; no renormalisation happens in these ops. Ties break to the lowest index
@@ -22,7 +24,9 @@ replace them in engines.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +39,9 @@ __all__ = [
     "path_scores",
     "fused_match_walk",
     "brute_force_best_path",
+    "DraftTree",
+    "build_tree",
+    "tree_attention",
 ]
 
 ONNX_DOMAIN = "lilicorr"
@@ -196,3 +203,79 @@ def brute_force_best_path(anchor_scores: torch.Tensor, pair_scores: torch.Tensor
             g += pair_scores[r, j, paths[:, j], paths[:, j + 1]]
         best.append(paths[int(torch.argmax(g))])
     return torch.stack(best, dim=0)
+
+
+# ---------------------------------------------------------------------------------- draft trees
+@dataclass
+class DraftTree:
+    """M nodes per row, in expansion order (a parent always precedes its children).
+
+    parent [N, M] long: the parent node, -1 for a child of the anchor (the root)
+    depth  [N, M] long: the node's slot (0 = the first drafted slot)
+    cand   [N, M] long: the node's candidate index in its slot's pool
+    score  [N, M] float: the summed log-conditionals of the path from the root to the node
+    """
+
+    parent: torch.Tensor
+    depth: torch.Tensor
+    cand: torch.Tensor
+    score: torch.Tensor
+
+    def tokens(self, cand_ids: torch.Tensor) -> torch.Tensor:
+        """cand_ids [N, S, K] -> the node tokens [N, M]."""
+        rows = torch.arange(cand_ids.shape[0], device=cand_ids.device)[:, None]
+        return cand_ids[rows, self.depth.to(cand_ids.device), self.cand.to(cand_ids.device)]
+
+
+def build_tree(anchor_scores: torch.Tensor, pair_scores: torch.Tensor, num_nodes: int) -> DraftTree:
+    """Best-first draft tree from the lattice (rule `tree`).
+
+    anchor_scores [N, K], pair_scores [N, S-1, K, K] -> DraftTree of M = min(num_nodes, sum_j K^j)
+    nodes per row. The root's children are the K anchor candidates with log-conditionals
+    log softmax(anchor_scores); a node at slot j holding candidate k has the K children at slot j+1
+    with log softmax(pair_scores[j, k, :]) (the locally normalised Eq. 2 scores the walk uses).
+    Repeatedly the frontier node with the highest path score joins the tree and its children join
+    the frontier. Ties go to the node that joined the frontier first (the root's children and each
+    node's children enter in candidate order), so the tree is deterministic. Row by row on the
+    host: M and K are small and the heap is sequential.
+    """
+    if anchor_scores.dim() != 2 or pair_scores.dim() != 4:
+        raise ValueError(f"expected [N,K] and [N,S-1,K,K]; got {tuple(anchor_scores.shape)}, "
+                         f"{tuple(pair_scores.shape)}")
+    if num_nodes < 1:
+        raise ValueError(f"a draft tree needs at least one node, got {num_nodes}")
+    n, k = anchor_scores.shape
+    s = pair_scores.shape[1] + 1
+    m = min(num_nodes, sum(k ** (j + 1) for j in range(s)))
+    root = torch.log_softmax(anchor_scores.detach().float().cpu(), -1).tolist()           # [N][K]
+    cond = torch.log_softmax(pair_scores.detach().float().cpu(), -1).tolist()             # [N][S-1][K][K]
+    parent, depth, cand, score = ([[0] * m for _ in range(n)] for _ in range(4))
+    for r in range(n):
+        order = itertools.count()
+        frontier = [(-root[r][c], next(order), -1, 0, c) for c in range(k)]   # (-score, tie, parent, depth, cand)
+        heapq.heapify(frontier)
+        for node in range(m):
+            neg, _, par, d, c = heapq.heappop(frontier)
+            parent[r][node], depth[r][node], cand[r][node], score[r][node] = par, d, c, -neg
+            if d + 1 < s:
+                row = cond[r][d][c]
+                for c2 in range(k):
+                    heapq.heappush(frontier, (neg - row[c2], next(order), node, d + 1, c2))
+    as_long = lambda x: torch.tensor(x, dtype=torch.long).view(n, m)  # noqa: E731
+    return DraftTree(as_long(parent), as_long(depth), as_long(cand),
+                     torch.tensor(score, dtype=torch.float32).view(n, m))
+
+
+def tree_attention(parent: torch.Tensor) -> torch.Tensor:
+    """parent [N, M] -> visible [N, 1+M, 1+M] bool over (anchor, nodes): position 0 is the anchor,
+    node i is position i+1; a position sees itself, the anchor and its ancestors."""
+    n, m = parent.shape
+    vis = torch.zeros(n, m + 1, m + 1, dtype=torch.bool)
+    vis[:, :, 0] = True
+    vis[:, 0, 0] = True
+    par = parent.cpu()
+    for i in range(m):                      # parents precede children: their rows are final
+        p = par[:, i] + 1                                                   # [N] position of the parent
+        vis[:, i + 1] = vis[torch.arange(n), p]
+        vis[:, i + 1, i + 1] = True
+    return vis

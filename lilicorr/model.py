@@ -15,7 +15,7 @@ from lilicorr.config import LiLiCorrConfig
 from lilicorr.drafter import DFlashDrafter
 from lilicorr.head import LiLiCorrHead, top_k_candidates
 
-RULES = ("lilicorr", "viterbi", "argmax", "ar")
+RULES = ("lilicorr", "viterbi", "argmax", "ar", "tree")
 
 
 @dataclass

@@ -25,9 +25,15 @@ from torch import nn
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary, with_yarn
 
-__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "resolve_dtype", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "resolve_dtype", "resolve_precision",
+           "PRECISIONS", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+# Serving precisions of the target. "fp16-weights": weight matrices rounded to fp16 and multiplied
+# by fbgemm's fp16-weight GEMM, activations and everything else in float32 (CPU only; see
+# lilicorr/fp16_linear.py). The others are plain torch dtypes for every tensor.
+PRECISIONS = ("float32", "bfloat16", "float16", "fp16-weights")
 
 
 @dataclass
@@ -183,6 +189,7 @@ class TargetModel(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.config = cfg
+        self.fp16_weights = False           # set by load_target(dtype="fp16-weights")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -192,6 +199,11 @@ class TargetModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def precision(self) -> str:
+        """Serving precision name (PRECISIONS): the weights' dtype, or fp16-weights."""
+        return "fp16-weights" if self.fp16_weights else str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Frozen input embedding: ids [...] -> [..., H]."""
         return self.embed_tokens(ids)
@@ -216,10 +228,12 @@ class TargetModel(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache | None = None,
                 rows: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                capture: Sequence[int] = (), logits: bool = True) -> TargetOutput:
+                capture: Sequence[int] = (), logits: bool = True, tree: torch.Tensor | None = None) -> TargetOutput:
         """input_ids, positions [N, T] long. With `cache`, row i attends to its cached keys and is
         written at cache positions lengths[rows[i]] + t; afterwards lengths[rows] += valid (default T).
-        Without `cache`: causal self-attention over the given tokens only."""
+        Without `cache`: causal self-attention over the given tokens only. `tree` [N, T, T] bool
+        (with a cache) replaces causal order among the new tokens: token t sees new token u iff
+        tree[i, t, u] (a draft tree: itself and its ancestors; positions give each its depth)."""
         n, t = input_ids.shape
         capture = list(capture)
         bad = [k for k in capture if not 0 <= k < len(self.layers)]
@@ -237,7 +251,9 @@ class TargetModel(nn.Module):
             start = cache.lengths[rows]                               # [N] keys already cached
             cache.reserve(rows, t)
             idx = cache.row_index(rows)
-        mask, upto = attention_mask(start, t, x.dtype, input_ids.device)
+        if tree is not None and (cache is None or tree.shape != (n, t, t)):
+            raise ValueError(f"tree must be [{n}, {t}, {t}] bool and needs a cache")
+        mask, upto = attention_mask(start, t, x.dtype, input_ids.device, tree)
         want = {k: None for k in capture}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, idx, start, upto)
@@ -253,16 +269,26 @@ class TargetModel(nn.Module):
 
 
 def attention_mask(start: torch.Tensor | None, t: int, dtype: torch.dtype,
-                   device: torch.device) -> tuple[torch.Tensor, int]:
+                   device: torch.device, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
     """Additive mask for T new tokens per row. start=None: causal [T, T]. Else start [N] cached keys
-    per row: query t of row i sees keys j <= start[i] + t -> [N, 1, T, S], S = max(start) + T."""
+    per row: query t of row i sees keys j <= start[i] + t -> [N, 1, T, S], S = max(start) + T; with
+    `tree` [N, T, T] bool it sees every cached key j < start[i] and new key start[i] + u iff
+    tree[i, t, u]."""
     steps = torch.arange(t, device=device)
     if start is None:
         allowed, upto = steps[None, :] <= steps[:, None], t                          # [T, T]
     else:
         upto = int(start.max()) + t
-        limit = start.to(device)[:, None] + steps[None, :]                            # [N, T]
-        allowed = (torch.arange(upto, device=device)[None, None, :] <= limit[:, :, None])[:, None]  # [N,1,T,S]
+        start = start.to(device)
+        keys = torch.arange(upto, device=device)[None, None, :]                       # [1, 1, S]
+        limit = start[:, None] + steps[None, :]                                       # [N, T]
+        allowed = keys <= limit[:, :, None]                                           # [N, T, S]
+        if tree is not None:
+            rel = keys - start[:, None, None]                                         # [N, 1, S] key - start
+            new = (rel >= 0) & (rel < t)
+            seen = tree.to(device).gather(2, rel.clamp(0, t - 1).expand(-1, t, -1))  # [N, T, S]
+            allowed = (keys < start[:, None, None]) | (new & seen)
+        allowed = allowed[:, None]                                                    # [N, 1, T, S]
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")), upto
 
 
@@ -335,27 +361,40 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device = "cpu") -> torch.dtype:
-    """"auto" (or None) -> the faster serving dtype here: bfloat16 on CUDA and on CPUs with native bf16
-    matmuls, float32 otherwise. Names and torch dtypes pass through."""
-    if dtype is None or dtype == "auto":
+def resolve_precision(precision: torch.dtype | str | None, device: str | torch.device = "cpu") -> str:
+    """"auto" (or None) -> the fastest serving precision here: bfloat16 on CUDA and on CPUs with native
+    bf16 matmuls; fp16-weights on other CPUs with fbgemm (half the bytes per step, fp32 arithmetic);
+    float32 otherwise. Names in PRECISIONS and torch dtypes pass through (as names)."""
+    if precision is None or precision == "auto":
         if str(device).startswith("cuda") or cpu_has_native_bf16():
-            return torch.bfloat16
-        return torch.float32
-    if isinstance(dtype, str):
-        if not isinstance(getattr(torch, dtype, None), torch.dtype):
-            raise ValueError(f"unknown dtype {dtype!r}; choose auto, float32, bfloat16 or float16")
-        return getattr(torch, dtype)
-    return dtype
+            return "bfloat16"
+        from .fp16_linear import fbgemm_fp16_available
+        return "fp16-weights" if fbgemm_fp16_available() else "float32"
+    if isinstance(precision, torch.dtype):
+        precision = str(precision).removeprefix("torch.")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown dtype {precision!r}; choose auto, {', '.join(PRECISIONS)}")
+    if precision == "fp16-weights" and str(device).startswith("cuda"):
+        raise ValueError("fp16-weights is a CPU precision (fbgemm); use bfloat16 on CUDA")
+    return precision
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device = "cpu") -> torch.dtype:
+    """The torch dtype of the target's activations (and non-matrix weights) under `resolve_precision`:
+    fp16-weights computes in float32."""
+    name = resolve_precision(dtype, device)
+    return torch.float32 if name == "fp16-weights" else getattr(torch, name)
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                 yarn_factor: float | None = None) -> TargetModel:
     """Load an HF folder (config.json + safetensors, single file or sharded) as a frozen TargetModel.
-    dtype may be "auto" (`resolve_dtype`)."""
+    dtype is a torch dtype, a name in PRECISIONS or "auto" (`resolve_precision`); the model's
+    `precision` attribute records the resolved name."""
     path = Path(path)
     cfg = TargetConfig.from_hf_dir(path)
-    dtype = resolve_dtype(dtype, device)
+    precision = resolve_precision(dtype, device)
+    dtype = resolve_dtype(precision, device)
     sd = {k: v.to(dtype) for k, v in hf_to_native(_read_safetensors(path), cfg).items()}
     if cfg.tie_word_embeddings:
         sd["lm_head.weight"] = sd["embed_tokens.weight"]
@@ -368,4 +407,8 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     if yarn_factor:
         model.enable_yarn(yarn_factor)
     model.requires_grad_(False)
+    if precision == "fp16-weights":
+        from .fp16_linear import use_fp16_weights
+        use_fp16_weights(model)
+        model.fp16_weights = True
     return model.eval()

@@ -25,7 +25,7 @@ COMPLETION = 40             # trained continuation length (tokens after the prom
 TRAIN_STEPS = 80
 TEXTS = ["hello world how are you", "write python code please", "what is the answer", "one two three four five",
          "why is the code in python", "please write a number", "the answer is yes", "how are you fine"]
-RULES = ("lilicorr", "viterbi", "argmax")
+RULES = ("lilicorr", "viterbi", "argmax", "tree")
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +60,11 @@ def trained_ckpt(serving_target, tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def offline(serving_target, trained_ckpt):
-    """The offline engine on the same checkpoint (the reference)."""
+    """The offline engine on the same checkpoint and target precision ("auto", as the server picks):
+    the reference."""
     from lilicorr.engine import SpecEngine
-    return SpecEngine.from_paths(serving_target, ckpt_dir=trained_ckpt, max_batch=8, max_seq_len=MAX_SEQ_LEN)
+    return SpecEngine.from_paths(serving_target, ckpt_dir=trained_ckpt, max_batch=8, max_seq_len=MAX_SEQ_LEN,
+                                 dtype="auto")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any, Mapping, Sequence
 
-DECODE_RULES = ("lilicorr", "viterbi", "argmax", "ar")
+DECODE_RULES = ("lilicorr", "viterbi", "argmax", "ar", "tree")
 
 # names shared by the templates, the client and the tests
 MODEL_ENGINE = "lilicorr"

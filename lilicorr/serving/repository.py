@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from .launcher import venv_root
-from .protocol import DEFAULT_MAX_PROMPT_BYTES, MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
+from .protocol import DECODE_RULES, DEFAULT_MAX_PROMPT_BYTES, MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MODELS = (MODEL_PRE, MODEL_ENGINE, MODEL_POST, MODEL_ENSEMBLE)
@@ -131,6 +131,7 @@ class ServeOptions:
     device: str = "auto"                # "auto" -> cuda if available else cpu
     dtype: str = ""                     # target dtype; "" -> the engine manifest's serving dtype, else "auto"
     draft_length: str = ""              # "auto", N, or "" -> the manifest's serving choice, else the whole block
+    tree_nodes: int = 16                # rule tree: draft-tree nodes verified per step
     cancel_check_ms: int = 20
     pre_instances: int = 1
     post_instances: int = 1
@@ -162,6 +163,7 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "device": opts.device,
         "dtype": opts.dtype or ((spec.manifest or {}).get("serving") or {}).get("dtype") or "auto",
         "draft_length": str(opts.draft_length or ((spec.manifest or {}).get("serving") or {}).get("draft_length") or ""),
+        "tree_nodes": str(opts.tree_nodes),
         "cancel_check_ms": str(opts.cancel_check_ms),
         "pre_instances": str(opts.pre_instances),
         "post_instances": str(opts.post_instances),
@@ -185,7 +187,7 @@ def generate_repository(spec: EngineSpec, out_dir: str | os.PathLike, opts: Serv
                         models: tuple[str, ...] = MODELS) -> Path:
     """Write the model repository for `spec` into `out_dir` (replacing models already there)."""
     opts = opts or ServeOptions()
-    if opts.default_decode_rule not in ("lilicorr", "viterbi", "argmax", "ar"):
+    if opts.default_decode_rule not in DECODE_RULES:
         raise ValueError(f"unknown default decode rule {opts.default_decode_rule!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -260,11 +262,12 @@ def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = 
     n_threads = int(params.get("num_threads") or 0)
     if n_threads > 0:
         torch.set_num_threads(n_threads)
-    from lilicorr.target import resolve_dtype
-    dtype = resolve_dtype(params.get("dtype") or "auto", device)
+    from lilicorr.target import resolve_precision
+    dtype = resolve_precision(params.get("dtype") or "auto", device)
     target_dir = model_path(params, "target_dir", base_dir)
     kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
-                                  draft_length=params.get("draft_length") or None)
+                                  draft_length=params.get("draft_length") or None,
+                                  tree_nodes=int(params.get("tree_nodes") or 16))
     if params.get("engine_dir"):
         kwargs["engine_dir"] = model_path(params, "engine_dir", base_dir)   # the engine names its checkpoint
     elif params.get("ckpt_dir"):

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from .launcher import REPO_TMP_PREFIX, ServerStartError, TritonServer, find_tritonserver
-from .protocol import DEFAULT_MAX_PROMPT_BYTES
+from .protocol import DECODE_RULES, DEFAULT_MAX_PROMPT_BYTES
 from .repository import EngineSpec, ServeOptions, generate_repository, read_engine_manifest
 
 
@@ -51,9 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--default-max-tokens", type=int, default=128)
     eng.add_argument("--max-prompt-bytes", type=int, default=DEFAULT_MAX_PROMPT_BYTES,
                      help="largest text_input / messages_json in bytes, refused before tokenising")
-    eng.add_argument("--default-rule", default="lilicorr", choices=["lilicorr", "viterbi", "argmax", "ar"])
+    eng.add_argument("--default-rule", default="lilicorr", choices=DECODE_RULES)
     eng.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    eng.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    eng.add_argument("--dtype", default="", choices=("", "auto", "float32", "bfloat16", "float16", "fp16-weights"),
+                     help="target precision (default: the engine manifest's serving choice, else auto)")
+    eng.add_argument("--draft-length", default="",
+                     help="drafted tokens verified per step: N or auto (default: the manifest's, else the whole block)")
+    eng.add_argument("--tree-nodes", type=int, default=16, help="rule tree: draft-tree nodes verified per step")
     eng.add_argument("--num-threads", type=int, default=0, help="torch threads in the engine (0: default)")
     eng.add_argument("--no-chat-template", action="store_true",
                      help="tokenize text_input raw instead of as a chat user message")
@@ -93,6 +97,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(max_batch=args.max_batch, max_seq_len=args.max_seq_len,
                         max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                         default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
+                        draft_length=args.draft_length, tree_nodes=args.tree_nodes,
                         num_threads=args.num_threads, draft_backend=args.draft_backend,
                         chat_template=not args.no_chat_template, profile=args.profile,
                         max_prompt_bytes=args.max_prompt_bytes, extra_parameters=extra)
