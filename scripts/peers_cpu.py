@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -199,7 +200,7 @@ def main(argv=None) -> int:
         rows += run_setting(args, dtype, int(threads), suites, tok, log)
         if args.engine and setting in triton_settings:
             rows += run_triton(args, suites, dtype, int(threads), log)
-    cmd = "python scripts/peers_cpu.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python scripts/peers_cpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     md = (f"# Peers on this CPU, batch 1\n\nMade by:\n\n    {cmd}\n\n"

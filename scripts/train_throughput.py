@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shlex
 import statistics
 import sys
 import tempfile
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
         s = trainers[name].cfg.drafter.block_size - 1
         rows.append({"variant": name, "step_s": med, "blocks_per_s": b / med,
                      "slot_tokens_per_s": b * s / med, "speedup_blocks_per_s": (b / med) / (blocks[next(iter(VARIANTS))] / base)})
-    out = {"command": "python scripts/train_throughput.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    out = {"command": "python scripts/train_throughput.py " + shlex.join(sys.argv[1:] if argv is None else argv),
            "threads": args.threads, "batch": cfg0.train.global_batch, "seq_len": cfg0.train.seq_len,
            "steps_timed": args.steps * args.rounds, "rows": rows}
     args.json.parent.mkdir(parents=True, exist_ok=True)

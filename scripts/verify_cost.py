@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     lines += ["", "Plain step t(1) relative to " + f"{ref['dtype']}, {ref['threads']} thread(s): "
               + ", ".join(f"{r['dtype']}/{r['threads']}: {r['t1_ms'] / ref['t1_ms']:.2f}x" for r in rows)]
     table = "\n".join(lines)
-    cmd = "python scripts/verify_cost.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    cmd = "python scripts/verify_cost.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     md = (f"# Target verify cost t(k)/t(1) on this CPU\n\n"
           f"A forward of k new tokens per row ({args.rows} row(s), {args.context} cached tokens), relative to "
           f"a plain 1-token step of the same setting; median over {args.rounds} interleaved rounds of "
