@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 
 from lilicorr.drafter import inference_attention_mask
-from lilicorr.fp16_linear import FP16_MAX, fbgemm_fp16_available, fp16_exact, fp16_linear, pack_fp16
+from lilicorr.fp16_linear import (FP16_MAX, FP16WeightLinear, fbgemm_fp16_available, fp16_exact, fp16_linear, pack_fp16,
+                                  use_fp16_weights)
 from lilicorr.kv_cache import KVCache
 from lilicorr.model import LiLiCorrModel, Proposal
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD, stage
@@ -99,6 +100,8 @@ class TorchDraftRunner(ContextCacheRunner):
 
     def __init__(self, model: LiLiCorrModel, num_slots: int, capacity: int = 256, lm_head_kernel: str = "auto"):
         self.model = model.eval()
+        if isinstance(model.drafter.lm_head, FP16WeightLinear):   # the target was loaded as fp16-weights:
+            use_fp16_weights(model)      # the drafter and head follow (their drafts are verified: lossless)
         cfg = model.cfg.drafter
         w = model.drafter.fc.weight
         self.cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, capacity, w.dtype, w.device)
