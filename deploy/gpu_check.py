@@ -66,12 +66,14 @@ STAGE_KEYS = ("target_verify", "draft_backbone", "lm_head_projection", "speculat
 STAGE_ROWS = {"target_verify": "Target verify", "draft_backbone": "Draft backbone",
               "lm_head_projection": "LM-head projection", "speculative_head": "Speculative head",
               "accept_residual": "Accept and residual"}
-RUNS = ("dflash", "lilicorr_eager", "lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full")
+RUNS = ("dflash", "lilicorr_eager", "lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full",
+        "tree_16", "tree_64")        # tree_M: rule tree, M draft-tree nodes verified per block
 # runs whose proposals are checked against the eager path's before they are timed
 OPTIMISED_RUNS = ("lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full")
 # which paper column each of our runs is read beside
 PAPER_COLUMN = {"dflash": "dflash", "lilicorr_eager": "lilicorr_eager", "lilicorr_triton": None,
-                "lilicorr_compiled": "lilicorr_optimized", "lilicorr_compiled_full": "lilicorr_optimized"}
+                "lilicorr_compiled": "lilicorr_optimized", "lilicorr_compiled_full": "lilicorr_optimized",
+                "tree_16": None, "tree_64": None}
 
 # tolerances of the kernel checks: |triton - fp32 reference| of the scores. Unit vectors bound
 # |score| by sigma = 8, where half a bf16 ulp is 2**-6 = 0.0156 (the kernel accumulates in fp32
@@ -488,8 +490,10 @@ def proposal_check(torch, target, model, rule: str, prompt: list[int], blocks: i
     return rec
 
 
-def run_blocks(torch, target, model, rule: str, prompt: list[int], warmup: int, blocks: int) -> dict:
-    """Prefill `prompt`, then `warmup` untimed and `blocks` timed engine steps (one block each)."""
+def run_blocks(torch, target, model, rule: str, prompt: list[int], warmup: int, blocks: int,
+               tree_nodes: int = 16) -> dict:
+    """Prefill `prompt`, then `warmup` untimed and `blocks` timed engine steps (one block each);
+    rule tree verifies `tree_nodes` draft-tree nodes per block."""
     from lilicorr.draft_runner import TorchDraftRunner
     from lilicorr.engine import SpecEngine
     from lilicorr.profiling import StageTimer
@@ -497,7 +501,8 @@ def run_blocks(torch, target, model, rule: str, prompt: list[int], warmup: int, 
     b = model.block_size
     max_tokens = (warmup + blocks + 1) * b
     runner = TorchDraftRunner(model, num_slots=1, capacity=len(prompt) + max_tokens + 2 * b)
-    engine = SpecEngine(target, runner, max_batch=1, max_seq_len=len(prompt) + max_tokens + 2 * b + 8)
+    engine = SpecEngine(target, runner, max_batch=1, max_seq_len=len(prompt) + max_tokens + 2 * b + 8,
+                        tree_nodes=tree_nodes)
     rid = engine.add_request(prompt, max_tokens=max_tokens, rule=rule)
     t0 = time.perf_counter()
     engine.step()                                       # prefill (not a block)
@@ -597,8 +602,11 @@ def stage_check(torch, rep: Report, args, device, dtype) -> dict:
         out["runs"][name] = entry
         try:
             t0 = time.perf_counter()
+            nodes = 16
             if name == "dflash":
                 rule = "argmax"
+            elif name.startswith("tree_"):
+                rule, nodes = "tree", int(name.split("_")[1])
             else:
                 rule = "lilicorr"
                 if name == "lilicorr_triton":
@@ -624,7 +632,7 @@ def stage_check(torch, rep: Report, args, device, dtype) -> dict:
                         "error": f"proposals differ from eager ({check['token_mismatches']} of {check['slots']} "
                                  f"drafted tokens, {check['pool_mismatches']} pools, first at block "
                                  f"{check['first_mismatch_block']}): its timing is not of the same computation"})
-            r = run_blocks(torch, target, model, rule, prompt, warmup, blocks)
+            r = run_blocks(torch, target, model, rule, prompt, warmup, blocks, tree_nodes=nodes)
             entry.update(r)
             entry["status"] = "ok"
             entry["total_s"] = time.perf_counter() - t0
@@ -696,7 +704,8 @@ def markdown(data: dict) -> str:
                 ("LiLiCorr eager + Triton walk", runs.get("lilicorr_triton")),
                 ("Paper LiLiCorr optimized", PAPER_TABLE3["lilicorr_optimized"]),
                 ("LiLiCorr compiled head", runs.get("lilicorr_compiled")),
-                ("LiLiCorr compiled head + drafter", runs.get("lilicorr_compiled_full"))]
+                ("LiLiCorr compiled head + drafter", runs.get("lilicorr_compiled_full")),
+                ("LiLiCorr tree, M=16", runs.get("tree_16")), ("LiLiCorr tree, M=64", runs.get("tree_64"))]
 
         def cell(c, key):
             if c is None:

@@ -16,14 +16,14 @@ and OUT.png (tokens/s per system, setting and suite). Re-run it when a new check
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
+
+from lilicorr.results_io import command_line, write_results
 
 HF_SYSTEMS = ("hf_greedy", "hf_prompt_lookup")
 OUR_SYSTEMS = ("ar", "argmax", "lilicorr", "lilicorr_auto")
@@ -200,17 +200,13 @@ def main(argv=None) -> int:
         rows += run_setting(args, dtype, int(threads), suites, tok, log)
         if args.engine and setting in triton_settings:
             rows += run_triton(args, suites, dtype, int(threads), log)
-    cmd = "python scripts/peers_cpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cmd = command_line("scripts/peers_cpu.py", argv)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     md = (f"# Peers on this CPU, batch 1\n\nMade by:\n\n    {cmd}\n\n"
           f"{len(next(iter(suites.values())))} prompts per suite, up to {args.max_tokens} new tokens, greedy; "
           f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
           f"{platform.machine()}. {args.note}\n\n{table(rows)}\n![tokens/s]({out.with_suffix('.png').name})\n")
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "rows": rows, "note": args.note,
-                                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
-    plot(rows, out.with_suffix(".png"))
+    write_results(out, md, {"command": cmd, "rows": rows, "note": args.note}, lambda path: plot(rows, path))
     print(md)
     return 0
 

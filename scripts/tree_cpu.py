@@ -13,12 +13,11 @@ same machine. Writes OUT.json (every run's metrics), OUT.md (the table) and OUT.
 from __future__ import annotations
 
 import argparse
-import json
-import shlex
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from lilicorr.results_io import command_line, write_results
 
 RULES = ("ar", "lilicorr", "tree")
 
@@ -105,17 +104,13 @@ def main(argv=None) -> int:
         for nodes in (int(m) for m in args.nodes.split(",")):
             print(f"[tree_cpu] M={nodes} concurrency={conc}", file=sys.stderr, flush=True)
             cells.append(run_cell(args, nodes, conc))
-    cmd = "python scripts/tree_cpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    cmd = command_line("scripts/tree_cpu.py", argv)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     md = (f"# Rule `tree` against `lilicorr` on this CPU\n\nMade by:\n\n    {cmd}\n\n"
           f"Greedy, {args.limit} prompts per suite, up to {args.max_tokens} new tokens, target precision "
           f"{cells[0]['dtype']}, {args.threads} thread(s). Oracle tau: the pools' own oracle (the same pools feed "
           f"both rules). {args.note}\n\n{table(cells)}\n\n![tau and tokens/s]({out.with_suffix('.png').name})\n")
-    out.with_suffix(".md").write_text(md)
-    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "cells": cells, "note": args.note,
-                                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
-    plot(cells, out.with_suffix(".png"))
+    write_results(out, md, {"command": cmd, "cells": cells, "note": args.note}, lambda path: plot(cells, path))
     print(md)
     return 0
 

@@ -19,7 +19,8 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "deploy" / "gpu_check.py"
 STAGES = ("target_verify", "draft_backbone", "lm_head_projection", "speculative_head", "accept_residual")
-RUNS = ("dflash", "lilicorr_eager", "lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full")
+RUNS = ("dflash", "lilicorr_eager", "lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full",
+        "tree_16", "tree_64")
 
 
 def run(*args, timeout=300):
@@ -90,6 +91,7 @@ def test_small_cpu_dry_run(tmp_path):
         assert t["stage_sum_ms"] <= t["per_block_wall_ms"] * 1.01
     assert s["runs"]["dflash"]["rule"] == "argmax"
     assert s["runs"]["lilicorr_eager"]["rule"] == "lilicorr"
+    assert s["runs"]["tree_16"]["rule"] == s["runs"]["tree_64"]["rule"] == "tree"
     assert s["runs"]["lilicorr_compiled"]["compiled"]
     # the optimised runs were checked against eager before timing: same proposals at every block
     for name in ("lilicorr_triton", "lilicorr_compiled", "lilicorr_compiled_full"):
@@ -104,6 +106,7 @@ def test_small_cpu_dry_run(tmp_path):
 
     md = (out / "gpu_check.md").read_text()
     assert "DRY RUN" in md and "Paper LiLiCorr eager" in md and "| Speculative head |" in md
+    assert "LiLiCorr tree, M=64" in md
     assert md.count("proposals equal to eager's over 3 blocks") == 3 and "≠ eager" not in md
     assert (out / "gpu_check.log").read_text()
 

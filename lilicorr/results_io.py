@@ -1,0 +1,26 @@
+"""Outputs of the measurement scripts (scripts/*.py): the command that made them, and OUT.md,
+OUT.json and OUT.png written side by side."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+
+def command_line(script: str, argv=None) -> str:
+    """How the script was run, quoted so that it can be pasted back into a shell."""
+    return f"python {script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def write_results(out, markdown: str, doc: dict, plot: Callable[[Path], None] | None = None) -> Path:
+    """OUT.md <- markdown, OUT.json <- doc (+ the time), OUT.png <- plot(path); returns OUT."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(markdown)
+    out.with_suffix(".json").write_text(json.dumps({**doc, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}, indent=2))
+    if plot is not None:
+        plot(out.with_suffix(".png"))
+    return out
