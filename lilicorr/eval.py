@@ -517,6 +517,18 @@ def _plots(out: Path, metrics: dict, args) -> dict:
     return {"accept_hist": hist_path.name, "slot_acceptance": slot_path.name}
 
 
+def evaluate(argv: list[str], log=None) -> dict:
+    """One evaluation from command-line arguments (without --json), for measurement scripts: the
+    JSON document, written to a temporary file and read back; plots are skipped."""
+    import tempfile
+
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        args = parse_args(list(argv) + ["--json", str(Path(tmp) / "eval.json"), "--no-plots"])
+        args.argv = list(argv)
+        return run_eval(args, log=log)
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)

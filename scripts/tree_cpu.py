@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 from lilicorr.results_io import command_line, write_results
@@ -23,14 +22,11 @@ RULES = ("ar", "lilicorr", "tree")
 
 
 def run_cell(args, nodes: int, concurrency: int) -> dict:
-    from lilicorr import eval as ev
+    from lilicorr.eval import evaluate
 
-    with tempfile.TemporaryDirectory() as tmp:
-        argv = ["--target", args.target, "--ckpt", args.ckpt, "--prompts", args.suites, "--limit", str(args.limit),
-                "--max-tokens", str(args.max_tokens), "--rules", ",".join(RULES), "--tree-nodes", str(nodes),
-                "--batch-size", str(concurrency), "--threads", str(args.threads), "--dtype", args.dtype,
-                "--json", str(Path(tmp) / "eval.json"), "--no-plots"]
-        doc = ev.run_eval(ev.parse_args(argv), log=lambda m: print(m, file=sys.stderr, flush=True))
+    doc = evaluate(["--target", args.target, "--ckpt", args.ckpt, "--prompts", args.suites, "--limit", str(args.limit),
+                    "--max-tokens", str(args.max_tokens), "--rules", ",".join(RULES), "--tree-nodes", str(nodes),
+                    "--batch-size", str(concurrency), "--threads", str(args.threads), "--dtype", args.dtype])
     return {"nodes": nodes, "concurrency": concurrency, "dtype": doc["meta"]["dtype"],
             "suites": {suite: {rule: {k: m[rule].get(k) for k in ("tau", "oracle_tau", "tau_over_oracle",
                                                                    "tokens_per_s", "speedup_vs_ar")}

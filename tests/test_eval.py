@@ -329,3 +329,17 @@ def test_eval_smollm2_builtin_suite(smollm2_dir, tmp_path, generated):
     _assert_rules_generate_the_same_tokens(generated, 12, ["ar", "argmax", "lilicorr"], doc["results"])
     assert doc["meta"]["stop_ids"] and set(doc["profile"]) == {"ar", "argmax", "lilicorr"}
     assert all((tmp_path / f).is_file() for f in doc["plots"].values())
+
+
+def test_evaluate_for_scripts_runs_tree_beside_the_others(setup, generated):
+    """`evaluate(argv)` (the measurement scripts' entry) returns the JSON document without leaving
+    files; rule `tree` runs with its node budget beside `ar` and `lilicorr` and, greedy, generates
+    the same tokens."""
+    from lilicorr.eval import evaluate
+    rules = ["ar", "lilicorr", "tree"]
+    doc = evaluate(["--target", str(setup["path"]), "--ckpt", str(setup["ckpt"]), "--prompts", str(setup["a"]),
+                    "--rules", ",".join(rules), "--max-tokens", "10", "--batch-size", "2", "--tree-nodes", "6",
+                    "--no-progress"], log=lambda m: None)
+    assert doc["meta"]["rules"] == rules and doc["meta"]["tree_nodes"] == 6 and "plots" not in doc
+    assert list(doc["results"]) == ["chat"] and list(doc["results"]["chat"]) == rules
+    _assert_rules_generate_the_same_tokens(generated, 10, rules, doc["results"])

@@ -1,0 +1,100 @@
+#!/usr/bin/env python3
+"""Fixed draft length against `--draft-length auto`, per concurrency, on this CPU: tau and tokens/s
+of `lilicorr` beside `ar`, greedy, through the same evaluation code as `python -m lilicorr.eval`.
+
+    python scripts/draft_length_cpu.py --target .cache/smollm2-135m-instruct-float32 \\
+        --ckpt checkpoints/smollm2-lilicorr --suites humaneval,lilicorr/data/chat_first_turn.jsonl \\
+        --limit 8 --max-tokens 64 --concurrency 1,2,4,8 --lengths block,auto --out results/draft_length_cpu
+
+Each (concurrency, draft length) cell is one evaluation run of `ar` and `lilicorr` on the same
+prompts in one process, so each cell's speedup compares runs made minutes apart. "block" verifies
+the whole block; auto chooses per row and step from the lattice's scores and the verify cost
+measured at start-up. Writes OUT.json, OUT.md and OUT.png.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from lilicorr.results_io import command_line, write_results
+
+
+def run_cell(args, concurrency: int, length: str) -> dict:
+    from lilicorr.eval import evaluate
+
+    argv = ["--target", args.target, "--ckpt", args.ckpt, "--prompts", args.suites, "--limit", str(args.limit),
+            "--max-tokens", str(args.max_tokens), "--rules", "ar,lilicorr", "--batch-size", str(concurrency),
+            "--threads", str(args.threads), "--dtype", args.dtype]
+    if length != "block":
+        argv += ["--draft-length", length]
+    doc = evaluate(argv)
+    pooled = doc.get("overall") or next(iter(doc["results"].values()))
+    return {"concurrency": concurrency, "draft_length": length, "dtype": doc["meta"]["dtype"],
+            "ar_tokens_per_s": pooled["ar"]["tokens_per_s"],
+            "lilicorr": {k: pooled["lilicorr"].get(k) for k in ("tau", "oracle_tau", "tokens_per_s")}}
+
+
+def table(cells: list[dict]) -> str:
+    lines = ["| concurrency | draft length | lilicorr tau | ar tok/s | lilicorr tok/s | lilicorr / ar |",
+             "|---:|---|---:|---:|---:|---:|"]
+    for c in cells:
+        li = c["lilicorr"]
+        lines.append(f"| {c['concurrency']} | {c['draft_length']} | {li['tau']:.3f} | {c['ar_tokens_per_s']:.1f} | "
+                     f"{li['tokens_per_s']:.1f} | {li['tokens_per_s'] / c['ar_tokens_per_s']:.2f}x |")
+    return "\n".join(lines)
+
+
+def plot(cells: list[dict], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for length in dict.fromkeys(c["draft_length"] for c in cells):
+        cs = sorted((c for c in cells if c["draft_length"] == length), key=lambda c: c["concurrency"])
+        ax.plot([c["concurrency"] for c in cs], [c["lilicorr"]["tokens_per_s"] / c["ar_tokens_per_s"] for c in cs],
+                marker="o", label=f"lilicorr, draft length {length}")
+    ax.axhline(1.0, color="grey", ls=":", label="ar")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrency (rows in the engine)")
+    ax.set_ylabel("tokens/s relative to ar (same run)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", required=True)
+    p.add_argument("--ckpt", required=True)
+    p.add_argument("--suites", default="humaneval,lilicorr/data/chat_first_turn.jsonl")
+    p.add_argument("--limit", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--concurrency", default="1,2,4,8")
+    p.add_argument("--lengths", default="block,auto", help="draft lengths: block, auto or N")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="auto", help="target precision (eval's --dtype)")
+    p.add_argument("--note", default="")
+    p.add_argument("--out", required=True, help="output path without suffix (.json, .md, .png)")
+    args = p.parse_args(argv)
+    cells = []
+    for conc in (int(c) for c in args.concurrency.split(",")):
+        for length in args.lengths.split(","):
+            print(f"[draft_length_cpu] concurrency={conc} draft length={length}", file=sys.stderr, flush=True)
+            cells.append(run_cell(args, conc, length))
+    cmd = command_line("scripts/draft_length_cpu.py", argv)
+    out = Path(args.out)
+    md = (f"# Draft length: whole block against auto, per concurrency, on this CPU\n\nMade by:\n\n    {cmd}\n\n"
+          f"Greedy, {args.limit} prompts per suite ({args.suites}) pooled, up to {args.max_tokens} new tokens, "
+          f"target precision {cells[0]['dtype']}, {args.threads} thread(s). {args.note}\n\n{table(cells)}\n\n"
+          f"![lilicorr / ar]({out.with_suffix('.png').name})\n")
+    write_results(out, md, {"command": cmd, "cells": cells, "note": args.note}, lambda path: plot(cells, path))
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
