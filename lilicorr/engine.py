@@ -148,6 +148,18 @@ def parse_draft_length(value, slots: int):
     return min(n, slots) if slots else None
 
 
+def _batch_cap(lengths: list[int], expected: list[list[float]], cost: list[float]) -> list[int]:
+    """One verify forward runs every row to the longest length, so cap the rows' draft lengths at
+    the c (0..max) that maximises the batch's expected tokens per unit cost:
+    sum_i expected[i][min(lengths[i], c)] / cost[c]. c = 0 is a plain step for every row."""
+    best_c, best = 0, len(lengths) / cost[0]
+    for c in range(1, max(lengths, default=0) + 1):
+        value = sum(e[min(n_d, c)] for e, n_d in zip(expected, lengths)) / cost[c]
+        if value > best * (1 + 1e-9):
+            best_c, best = c, value
+    return [min(n_d, best_c) for n_d in lengths]
+
+
 def _expected(rates) -> list[float]:
     """Per-slot conditional acceptance -> expected tokens committed when verifying 0..S drafts."""
     out, run, total = [1.0], 1.0, 1.0
@@ -388,7 +400,8 @@ class SpecEngine:
             if auto:
                 cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
                 draft_cost = self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
-                drafting = [self._wants_draft(s, cost, draft_cost) for s in seqs]
+                drafting = self._batch_drafting([self._wants_draft(s, cost, draft_cost, n) for s in seqs],
+                                                seqs, cost, draft_cost)
             else:
                 drafting = [True] * n
             d_idx = [i for i in range(n) if drafting[i]]
@@ -408,10 +421,13 @@ class SpecEngine:
             with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():
                 if auto:
                     probs = self._walk_probs(prop)                             # [D, S] or None
+                    expected = [[1.0]] * n
                     for j, i in enumerate(d_idx):
                         rates = self._calibrated(probs[j].tolist() if probs is not None else None,
                                                  seqs[i].accept_rate)
-                        lengths[i] = best_length(_expected(rates), cost, 0.0)[0]   # the draft is paid for
+                        expected[i] = _expected(rates)
+                        lengths[i] = best_length(expected[i], cost, 0.0)[0]     # the draft is paid for
+                    lengths = _batch_cap(lengths, expected, cost)
                 else:
                     for i in d_idx:
                         lengths[i] = self.draft_length or (b - 1)
@@ -535,19 +551,36 @@ class SpecEngine:
         return events
 
     # -- adaptive draft length -----------------------------------------------------------------
-    PROBE_EVERY = 16        # a row that stopped drafting drafts again after this many plain steps
+    PROBE_EVERY = 16        # a batch that stopped drafting probes about once per this many steps
 
-    def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float) -> bool:
-        """Whether row `s` drafts this step: its recent acceptance pays for the drafter at today's
-        load, or it is time to probe again."""
+    def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float, rows: int) -> str | None:
+        """Row `s`'s wish this step: "gain" when its recent acceptance pays for the drafter at
+        today's load, "probe" when it is time to try again (each row every PROBE_EVERY x rows plain
+        steps, so the batch as a whole probes about once per PROBE_EVERY steps), else None."""
         if best_length(_expected(s.accept_rate), cost, draft_cost)[0] > 0:
             s.skip = 0
-            return True
+            return "gain"
         if s.skip > 0:
             s.skip -= 1
-            return False
-        s.skip = self.PROBE_EVERY
-        return True
+            return None
+        s.skip = self.PROBE_EVERY * rows
+        return "probe"
+
+    @staticmethod
+    def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: list[float],
+                        draft_cost: float) -> list[bool]:
+        """Which rows draft. Every row of a step pays for the longest verify and for the drafter
+        pass, so the rows that would gain draft only if the whole batch commits more tokens per unit
+        cost than a plain step (n tokens for 1); probes always draft."""
+        n = len(seqs)
+        gain = [i for i, w in enumerate(wish) if w == "gain"]
+        if gain:
+            exp = {i: _expected(seqs[i].accept_rate) for i in gain}
+            lens = {i: best_length(exp[i], cost, draft_cost)[0] for i in gain}
+            tokens = n - len(gain) + sum(exp[i][lens[i]] for i in gain)
+            if tokens / (cost[max(lens.values())] + draft_cost) <= n:
+                gain = []
+        return [i in gain or wish[i] == "probe" for i in range(n)]
 
     @staticmethod
     def _walk_probs(prop) -> torch.Tensor | None:

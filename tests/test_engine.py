@@ -752,3 +752,18 @@ def test_smollm2_fp16_weights_speculative_equals_ar(smollm2_dir):
     reqs, results, ar = _fp16_weights_lossless(target, _smollm2_prompts(smollm2_dir), n_new=20, block=8, seed=4)
     for req, r in zip(reqs, results):
         assert r.tokens == ar[req["key"]][:20], f"{req['rule']} request {req['key']} differs from ar"
+
+
+def test_auto_draft_length_decides_for_the_whole_batch():
+    """One verify runs every row to the longest draft and every row pays for the drafter pass: the
+    cap and the drafting decision weigh the batch's expected tokens against that cost (by hand)."""
+    from lilicorr.engine import _batch_cap
+    cost = [1.0, 1.5, 2.0, 2.5]                           # verify 1..4 tokens, in plain steps
+    gain = [1.0, 1.9, 2.5, 2.8]                           # expected tokens verifying 0..3 drafts
+    assert _batch_cap([3], [gain], cost) == [1]           # 1.9 / 1.5 beats 1, 2.5 / 2 and 2.8 / 2.5
+    assert _batch_cap([3, 0, 0, 0], [gain, [1.0], [1.0], [1.0]], cost) == [0, 0, 0, 0]   # 4.9 / 1.5 < 4
+    assert _batch_cap([2, 2], [gain, gain], cost) == [1, 1]
+    rows = [type("Row", (), {"accept_rate": [0.9, 0.6, 0.3]})() for _ in range(4)]
+    both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, cost, 0.1)
+    assert both == [False, False, False, True]            # one row's gain does not pay for four rows
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, 0.1) == [True] * 4
