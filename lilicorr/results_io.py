@@ -24,3 +24,14 @@ def write_results(out, markdown: str, doc: dict, plot: Callable[[Path], None] | 
     if plot is not None:
         plot(out.with_suffix(".png"))
     return out
+
+
+def write_report(out, script: str, argv, title: str, body: str, doc: dict,
+                 plot: Callable[[Path], None] | None = None) -> str:
+    """The measurement scripts' report: OUT.md = title, the command that made it, body (which may
+    name `{png}`, the plot's file name); OUT.json = doc + the command; OUT.png = plot. -> the markdown."""
+    out = Path(out)
+    cmd = command_line(script, argv)
+    md = f"# {title}\n\nMade by:\n\n    {cmd}\n\n" + body.replace("{png}", out.with_suffix(".png").name)
+    write_results(out, md, {"command": cmd, **doc}, plot)
+    return md

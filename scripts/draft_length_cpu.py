@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lilicorr.results_io import command_line, write_results
+from lilicorr.results_io import write_report
 
 
 def run_cell(args, concurrency: int, length: str) -> dict:
@@ -85,14 +85,12 @@ def main(argv=None) -> int:
         for length in args.lengths.split(","):
             print(f"[draft_length_cpu] concurrency={conc} draft length={length}", file=sys.stderr, flush=True)
             cells.append(run_cell(args, conc, length))
-    cmd = command_line("scripts/draft_length_cpu.py", argv)
-    out = Path(args.out)
-    md = (f"# Draft length: whole block against auto, per concurrency, on this CPU\n\nMade by:\n\n    {cmd}\n\n"
-          f"Greedy, {args.limit} prompts per suite ({args.suites}) pooled, up to {args.max_tokens} new tokens, "
-          f"target precision {cells[0]['dtype']}, {args.threads} thread(s). {args.note}\n\n{table(cells)}\n\n"
-          f"![lilicorr / ar]({out.with_suffix('.png').name})\n")
-    write_results(out, md, {"command": cmd, "cells": cells, "note": args.note}, lambda path: plot(cells, path))
-    print(md)
+    body = (f"Greedy, {args.limit} prompts per suite ({args.suites}) pooled, up to {args.max_tokens} new tokens, "
+            f"target precision {cells[0]['dtype']}, {args.threads} thread(s). {args.note}\n\n{table(cells)}\n\n"
+            "![lilicorr / ar]({png})\n")
+    print(write_report(args.out, "scripts/draft_length_cpu.py", argv,
+                       "Draft length: whole block against auto, per concurrency, on this CPU", body,
+                       {"cells": cells, "note": args.note}, lambda path: plot(cells, path)))
     return 0
 
 

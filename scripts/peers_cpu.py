@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lilicorr.results_io import command_line, write_results
+from lilicorr.results_io import write_report
 
 HF_SYSTEMS = ("hf_greedy", "hf_prompt_lookup")
 OUR_SYSTEMS = ("ar", "argmax", "lilicorr", "lilicorr_auto")
@@ -200,14 +200,11 @@ def main(argv=None) -> int:
         rows += run_setting(args, dtype, int(threads), suites, tok, log)
         if args.engine and setting in triton_settings:
             rows += run_triton(args, suites, dtype, int(threads), log)
-    cmd = command_line("scripts/peers_cpu.py", argv)
-    out = Path(args.out)
-    md = (f"# Peers on this CPU, batch 1\n\nMade by:\n\n    {cmd}\n\n"
-          f"{len(next(iter(suites.values())))} prompts per suite, up to {args.max_tokens} new tokens, greedy; "
-          f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
-          f"{platform.machine()}. {args.note}\n\n{table(rows)}\n![tokens/s]({out.with_suffix('.png').name})\n")
-    write_results(out, md, {"command": cmd, "rows": rows, "note": args.note}, lambda path: plot(rows, path))
-    print(md)
+    body = (f"{len(next(iter(suites.values())))} prompts per suite, up to {args.max_tokens} new tokens, greedy; "
+            f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+            f"{platform.machine()}. {args.note}\n\n{table(rows)}\n" + "![tokens/s]({png})\n")
+    print(write_report(args.out, "scripts/peers_cpu.py", argv, "Peers on this CPU, batch 1", body,
+                       {"rows": rows, "note": args.note}, lambda path: plot(rows, path)))
     return 0
 
 

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lilicorr.results_io import command_line, write_results
+from lilicorr.results_io import write_report
 
 RULES = ("ar", "lilicorr", "tree")
 
@@ -100,14 +100,11 @@ def main(argv=None) -> int:
         for nodes in (int(m) for m in args.nodes.split(",")):
             print(f"[tree_cpu] M={nodes} concurrency={conc}", file=sys.stderr, flush=True)
             cells.append(run_cell(args, nodes, conc))
-    cmd = command_line("scripts/tree_cpu.py", argv)
-    out = Path(args.out)
-    md = (f"# Rule `tree` against `lilicorr` on this CPU\n\nMade by:\n\n    {cmd}\n\n"
-          f"Greedy, {args.limit} prompts per suite, up to {args.max_tokens} new tokens, target precision "
-          f"{cells[0]['dtype']}, {args.threads} thread(s). Oracle tau: the pools' own oracle (the same pools feed "
-          f"both rules). {args.note}\n\n{table(cells)}\n\n![tau and tokens/s]({out.with_suffix('.png').name})\n")
-    write_results(out, md, {"command": cmd, "cells": cells, "note": args.note}, lambda path: plot(cells, path))
-    print(md)
+    body = (f"Greedy, {args.limit} prompts per suite, up to {args.max_tokens} new tokens, target precision "
+            f"{cells[0]['dtype']}, {args.threads} thread(s). Oracle tau: the pools' own oracle (the same pools feed "
+            f"both rules). {args.note}\n\n{table(cells)}\n\n" + "![tau and tokens/s]({png})\n")
+    print(write_report(args.out, "scripts/tree_cpu.py", argv, "Rule `tree` against `lilicorr` on this CPU", body,
+                       {"cells": cells, "note": args.note}, lambda path: plot(cells, path)))
     return 0
 
 
