@@ -337,8 +337,9 @@ class SpecEngine:
         if fresh:
             with nvtx_range("engine/prefill"):
                 events += self._prefill(fresh)
-        tree = [s for s in running if s.rule == "tree" and s.temperature == 0]
-        spec = [s for s in running if s.rule != "ar" and not (s.rule == "tree" and s.temperature == 0)]
+        greedy_tree = {s.rid for s in running if s.rule == "tree" and s.temperature == 0}
+        tree = [s for s in running if s.rid in greedy_tree]
+        spec = [s for s in running if s.rule != "ar" and s.rid not in greedy_tree]
         ar = [s for s in running if s.rule == "ar"]
         if spec or ar or tree:
             with stage(BLOCK):
@@ -502,7 +503,6 @@ class SpecEngine:
         s.state = feats[-1].clone()
         s.steps += 1
 
-    @torch.no_grad()
     def _tree_step(self, seqs: list[_Seq]) -> list[StepEvent]:
         """Greedy rule `tree` (module docstring): draft, build each row's tree from the lattice,
         verify [anchor, M nodes] in one forward, accept the longest matching path, compact the cache."""
@@ -512,7 +512,8 @@ class SpecEngine:
         prop = self._draft(seqs, anchors, apos)
         with stage(STAGE_ACCEPT):                                              # host-side tree build
             tree = build_tree(prop.anchor_scores, prop.pair_scores, self.tree_nodes)
-            tokens = tree.tokens(prop.cand_ids.cpu())                          # [N, M]
+            cand_ids = prop.cand_ids.cpu()                                     # [N, S, K]
+            tokens = tree.tokens(cand_ids)                                     # [N, M]
             vis = tree_attention(tree.parent)                                  # [N, 1+M, 1+M]
             m = tokens.shape[1]
         with stage(STAGE_VERIFY):
@@ -526,7 +527,7 @@ class SpecEngine:
         with stage(STAGE_ACCEPT):
             greedy = out.logits.argmax(-1).cpu()                               # [N, 1+M]
             parent, tok = tree.parent.tolist(), tokens.tolist()
-            pools = prop.cand_ids.cpu().tolist()                               # [N][S][K]
+            pools = cand_ids.tolist()                                          # [N][S][K]
             paths = []
             for i, s in enumerate(seqs):
                 children: dict[int, list[int]] = {}

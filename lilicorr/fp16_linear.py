@@ -68,7 +68,7 @@ class FP16WeightLinear(nn.Module):
             w.copy_(w.half().to(w.dtype))                 # the values the kernel multiplies with
         self.weight = w                                    # [O, I] float32, fp16-exact
         b = linear.bias
-        self.bias = b if b is not None else None
+        self.bias = b
         self._bias = (b.detach().float() if b is not None else torch.zeros(self.out_features)).contiguous()
         self._packed = pack_fp16(w)                         # not a buffer: stays out of state_dict
 

@@ -15,6 +15,15 @@ def command_line(script: str, argv=None) -> str:
     return f"python {script} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
+def save_figure(fig, path) -> None:
+    """A matplotlib figure to `path` (tight layout, 120 dpi), then closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def write_results(out, markdown: str, doc: dict, plot: Callable[[Path], None] | None = None) -> Path:
     """OUT.md <- markdown, OUT.json <- doc (+ the time), OUT.png <- plot(path); returns OUT."""
     out = Path(out)

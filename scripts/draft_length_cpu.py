@@ -17,7 +17,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lilicorr.results_io import write_report
+from lilicorr.results_io import save_figure, write_report
 
 
 def run_cell(args, concurrency: int, length: str) -> dict:
@@ -61,9 +61,7 @@ def plot(cells: list[dict], path: Path) -> None:
     ax.set_ylabel("tokens/s relative to ar (same run)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lilicorr.results_io import write_report
+from lilicorr.results_io import save_figure, write_report
 
 HF_SYSTEMS = ("hf_greedy", "hf_prompt_lookup")
 OUR_SYSTEMS = ("ar", "argmax", "lilicorr", "lilicorr_auto")
@@ -163,8 +163,7 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("tokens/s (batch 1)")
         ax.set_title(Path(suite).stem)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -16,7 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from lilicorr.results_io import write_report
+from lilicorr.results_io import save_figure, write_report
 
 RULES = ("ar", "lilicorr", "tree")
 
@@ -76,9 +76,7 @@ def plot(cells: list[dict], path: Path) -> None:
             ax.set_title(Path(suite).stem)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from lilicorr.costmodel import measure_forward_times
+from lilicorr.results_io import save_figure
 from lilicorr.target import load_target
 
 
@@ -52,9 +53,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title("Target verify cost on this CPU")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv=None) -> int:
