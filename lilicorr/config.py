@@ -94,6 +94,10 @@ class LossConfig:
     # (SpecForge, the default); "sum" is Eq. 6 as written, a plain sum over the slots of a block,
     # averaged over blocks (about (sum_s w_s)x larger, which shifts gamma's effective balance)
     dflash_norm: str = "token_mean"
+    # self-logit distillation: the share of L_DFlash's per-slot CE taken against the target's own
+    # distribution at that position (soft labels, temperature 1) instead of its greedy token;
+    # 0 = hard labels only (DFlash), 1 = soft labels only
+    distill: float = 0.0
     gamma: float = 0.25         # weight of the reranker objective, Eq. 7
     lam: float = 1.0            # distractor weight lambda, Eq. 7
     distractor: bool = True     # False -> Appendix C ablation (CE + DFlash only)

@@ -37,9 +37,14 @@ DFLASH_NORMS = ("token_mean", "sum")
 
 
 def dflash_terms(slot_logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
-                 beta: float, norm: str = "token_mean") -> tuple[torch.Tensor, torch.Tensor]:
+                 beta: float, norm: str = "token_mean", soft_logprobs: torch.Tensor | None = None,
+                 distill: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Eq. 6. slot_logits [N, S, V], labels [N, S] long (indices into V), label_mask [N, S] bool
     -> (sum, normaliser); the loss is sum / normaliser after the global all-reduce.
+
+    Self-logit distillation: with soft_logprobs [N, S, V] (the target's log-distribution over the
+    same V at each slot's position) and distill = a in (0, 1], a slot's CE is
+    (1 - a) CE(label) + a H(p_target, p_draft), the cross-entropy against the soft labels.
 
     norm "token_mean" (SpecForge): normaliser = sum of the weights w_s over labelled slots, so the
     loss is a weighted mean per slot. norm "sum" (Eq. 6 as written): normaliser = number of blocks
@@ -48,8 +53,15 @@ def dflash_terms(slot_logits: torch.Tensor, labels: torch.Tensor, label_mask: to
     if norm not in DFLASH_NORMS:
         raise ValueError(f"unknown L_DFlash normalisation {norm!r}; choose from {DFLASH_NORMS}")
     w = slot_decay(labels.shape[1], beta, labels.device)[None, :] * label_mask.float()   # [N, S]
-    ce = F.cross_entropy(slot_logits.float().flatten(0, 1), labels.clamp_min(0).flatten(),
-                         reduction="none").view_as(w)                                    # [N, S]
+    if not 0.0 <= distill <= 1.0:
+        raise ValueError(f"distill must be in [0, 1], got {distill}")
+    logp = torch.log_softmax(slot_logits.float(), dim=-1)                                # [N, S, V]
+    ce = -torch.gather(logp, -1, labels.clamp_min(0)[..., None]).squeeze(-1)             # [N, S]
+    if distill > 0:
+        if soft_logprobs is None or soft_logprobs.shape != logp.shape:
+            raise ValueError("distill > 0 needs soft_logprobs shaped like slot_logits")
+        soft = -(soft_logprobs.float().exp() * logp).sum(-1)                             # [N, S]
+        ce = (1 - distill) * ce + distill * soft
     normaliser = w.sum() if norm == "token_mean" else label_mask.any(1).float().sum()
     return (w * ce).sum(), normaliser
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from lilicorr import lattice
 from lilicorr.drafter import block_attention_mask
@@ -140,8 +141,14 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
     else:                                  # labels outside the draft vocabulary carry no CE (EAGLE-3)
         draft_labels = drafter.target_to_draft()[labels]                 # [M, S], -1 if absent
         draft_mask = label_mask & (draft_labels >= 0)
+    soft = None
+    if cfg.loss.distill > 0:                     # the target's own distribution over the same rows
+        with torch.no_grad():
+            h_prev = last_hidden[rows[:, None], label_pos - 1]                # [M, S, H]
+            w = drafter.lm_weight()
+            soft = torch.log_softmax(F.linear(h_prev.to(w.dtype), w).float(), -1)  # [M, S, V]
     dflash_sum, dflash_w = dflash_terms(slot_logits, draft_labels, draft_mask, cfg.loss.beta,
-                                        cfg.loss.dflash_norm)
+                                        cfg.loss.dflash_norm, soft, cfg.loss.distill)
 
     cand_ids, cand_feats = top_k_candidates(slot_logits, k, drafter.draft_to_target)  # target ids
     prefix, gt_index = oracle_prefix(cand_ids, labels, label_mask)       # [M, S]

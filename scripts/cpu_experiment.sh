@@ -9,8 +9,10 @@
 #             caps the phase (0: no cap), a capped run resumes where it stopped.
 #   features  the target's features (5 captured layers) over all regen-*.jsonl, SHARDS workers;
 #             rebuilt when the data changed.
-#   train     ARMS side by side at the same budget: STEPS steps of BATCH sequences, ANCHORS
-#             anchors per sequence, a DRAFT_VOCAB draft vocabulary, a checkpoint every SAVE_EVERY.
+#   train     ARMS (of vanilla, lilicorr, nodist, margin, distill: self-logit distillation with
+#             share DISTILL) side by side at the same budget: STEPS steps of BATCH sequences, ANCHORS
+#             anchors per sequence, a DRAFT_VOCAB draft vocabulary, a checkpoint every SAVE_EVERY, and a
+#             weights-only snapshot every SNAPSHOT_EVERY (ckpt-<arm>.snapshots/, for tau vs steps).
 #   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows;
 #             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
 #   eval-chat greedy on the general-chat suite (prompts in no training file).
@@ -27,7 +29,7 @@ DTYPE=${DTYPE:-$(python -c "from lilicorr.target import resolve_dtype; print(str
 PROMPTS=${PROMPTS:-1200}; MAX_NEW=${MAX_NEW:-192}; SHARDS=${SHARDS:-1}; REGEN_MINUTES=${REGEN_MINUTES:-0}
 CHAT_PROMPTS=${CHAT_PROMPTS:-500}
 STEPS=${STEPS:-600}; ANCHORS=${ANCHORS:-64}; BATCH=${BATCH:-8}; DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
-SAVE_EVERY=${SAVE_EVERY:-50}
+SAVE_EVERY=${SAVE_EVERY:-50}; SNAPSHOT_EVERY=${SNAPSHOT_EVERY:-100}
 ARMS=${ARMS:-vanilla lilicorr}
 EVAL_LIMIT=${EVAL_LIMIT:-40}; EVAL_TOKENS=${EVAL_TOKENS:-128}; EVAL_BATCH=${EVAL_BATCH:-16}
 SEEDS=${SEEDS:-0,1,2}
@@ -98,12 +100,13 @@ PY
 }
 
 train() {
-  declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin)
+  declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin
+                    [distill]="--self-distill ${DISTILL:-0.5}")
   local pids=()
   for arm in $ARMS; do
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
       --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --draft-vocab "$DRAFT_VOCAB" \
-      --save-every "$SAVE_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} \
+      --save-every "$SAVE_EVERY" --snapshot-every "$SNAPSHOT_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} \
       >> "$W/train-$arm.log" 2>&1 &
     pids+=($!)
   done
@@ -122,7 +125,8 @@ evaluate() {  # model, rules, extra flags; skipped when its JSON exists (delete 
 }
 eval_greedy() {
   evaluate lilicorr "${GREEDY_RULES:-ar,argmax,lilicorr,viterbi}" & local a=$!
-  { evaluate vanilla ar,argmax && evaluate nodist ar,lilicorr && evaluate margin ar,lilicorr; } & local b=$!
+  { evaluate vanilla ar,argmax && evaluate nodist ar,lilicorr && evaluate margin ar,lilicorr \
+    && evaluate distill ar,lilicorr; } & local b=$!
   wait_all $a $b || { echo "an eval run failed: see $W/eval-*.log"; exit 1; }
 }
 eval_chat() {   # general chat: one run per arm

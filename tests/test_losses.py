@@ -210,6 +210,37 @@ def test_eq6_decay_weights():
         dflash_terms(logits, labels, mask, beta=2.0, norm="mean")
 
 
+def test_self_distillation_blends_soft_labels_into_the_dflash_ce():
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(2, 4, 11, generator=gen, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 4), generator=gen)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    hard, weight = dflash_terms(logits, labels, mask, beta=2.0)
+    # one-hot soft labels are the hard labels
+    one_hot = torch.log(torch.nn.functional.one_hot(labels, 11).float())
+    same, same_w = dflash_terms(logits, labels, mask, 2.0, soft_logprobs=one_hot, distill=1.0)
+    assert same.item() == pytest.approx(hard.item(), rel=1e-6) and same_w.item() == weight.item()
+    # a blend is (1 - a) hard + a soft, slot by slot under the same decay weights
+    target_logp = torch.log_softmax(torch.randn(2, 4, 11, generator=gen), -1)
+    soft_only, _ = dflash_terms(logits, labels, mask, 2.0, soft_logprobs=target_logp, distill=1.0)
+    blend, _ = dflash_terms(logits, labels, mask, 2.0, soft_logprobs=target_logp, distill=0.25)
+    assert blend.item() == pytest.approx(0.75 * hard.item() + 0.25 * soft_only.item(), rel=1e-5)
+    ws = [math.exp(-s / 2.0) for s in range(4)]
+    logp = torch.log_softmax(logits.detach(), -1)
+    want = sum(-ws[s] * (target_logp[b, s].exp() * logp[b, s]).sum() for b in range(2) for s in range(4) if mask[b, s])
+    assert soft_only.item() == pytest.approx(float(want), rel=1e-5)
+    # the soft CE is smallest where the draft's distribution is the target's: zero gradient there
+    matched = logits.detach().clone().requires_grad_(True)
+    loss, _ = dflash_terms(matched, labels, mask, 2.0, soft_logprobs=torch.log_softmax(matched.detach(), -1),
+                           distill=1.0)
+    (grad,) = torch.autograd.grad(loss, matched)
+    assert grad.abs().max().item() < 1e-6
+    with pytest.raises(ValueError, match="soft_logprobs"):
+        dflash_terms(logits, labels, mask, 2.0, distill=0.5)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        dflash_terms(logits, labels, mask, 2.0, soft_logprobs=target_logp, distill=1.5)
+
+
 # -- Eq. 13 ------------------------------------------------------------------------------------
 def test_eq13_hinge_inactive_once_gap_clears_rho():
     gt = torch.tensor([[0, 1]])

@@ -383,6 +383,28 @@ def test_cli_margin_sets_mu_and_rho(target_dir, data_file, tmp_path, capsys):
     assert json.loads((plain / ckpt_io.CONFIG).read_text())["lilicorr"]["loss"]["mu"] == 0.0
 
 
+def test_cli_self_distillation_and_snapshots(target_dir, data_file, tmp_path):
+    cli = train_cli()
+    out = tmp_path / "distill"
+    assert cli.main(["--target", str(target_dir), "--data", str(data_file), "--out", str(out), "--steps", "3",
+                     "--self-distill", "0.5", "--snapshot-every", "2", *CLI_SMALL]) == 0
+    assert json.loads((out / ckpt_io.CONFIG).read_text())["lilicorr"]["loss"]["distill"] == 0.5
+    # a weights-only snapshot at step 2, loadable like any checkpoint; none at step 1 or 3
+    snaps = Path(f"{out}.snapshots")
+    assert sorted(p.name for p in snaps.iterdir()) == ["step-00002"]
+    snap = ckpt_io.load_checkpoint(snaps / "step-00002")
+    assert snap.meta["step"] == 2 and not (snaps / "step-00002" / ckpt_io.OPTIMIZER).exists()
+    assert snap.state.keys() == ckpt_io.load_checkpoint(out).state.keys()
+    # the soft labels change the objective: the logged DFlash loss differs from a hard-label run
+    hard = tmp_path / "hard"
+    assert cli.main(["--target", str(target_dir), "--data", str(data_file), "--out", str(hard), "--steps", "1",
+                     *CLI_SMALL]) == 0
+    first = [json.loads(Path(f"{d}.log.jsonl").read_text().splitlines()[0])["dflash"] for d in (out, hard)]
+    assert first[0] != pytest.approx(first[1])
+    assert cli.main(["--target", str(target_dir), "--data", str(data_file), "--out", str(tmp_path / "bad"),
+                     "--self-distill", "2", *CLI_SMALL]) == 2
+
+
 def test_cli_with_offline_feature_store(target_dir, data_file, tmp_path, capsys):
     cli = train_cli()
     feats = tmp_path / "features"

@@ -43,6 +43,9 @@ def parse_args(argv=None):
     p.add_argument("--beta", type=float, default=0.0, help="decay of the DFlash CE, Eq. 6 (preset: 4 at B=8)")
     p.add_argument("--dflash-norm", choices=["token_mean", "sum"], default=None,
                    help="L_DFlash normalisation: token_mean (SpecForge, default) or sum (Eq. 6 as written)")
+    p.add_argument("--self-distill", type=float, default=0.0, metavar="A",
+                   help="share A in (0, 1] of L_DFlash's CE against the target's soft labels (self-logit "
+                        "distillation; preset: 0, hard labels)")
     p.add_argument("--draft-vocab", type=int, default=0,
                    help="draft vocabulary of the N most frequent training tokens (0: full vocabulary)")
     p.add_argument("--mask-token", default="auto",
@@ -55,6 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--lr-head", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="also keep a weights-only copy every N steps in OUT.snapshots/step-NNNNN (tau vs steps)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the final weights (optimizer state always float32)")
     p.add_argument("--features", default=None,
@@ -74,10 +79,12 @@ def build_config(args, target_cfg):
                  (tc, "save_every", args.save_every), (dc, "num_layers", args.drafter_layers),
                  (dc, "block_size", args.block_size), (dc, "num_target_layers_captured", args.captured_layers),
                  (dc, "draft_vocab_size", args.draft_vocab), (lc, "beta", args.beta),
-                 (lc, "dflash_norm", args.dflash_norm))
+                 (lc, "dflash_norm", args.dflash_norm), (lc, "distill", args.self_distill))
     for section, name, value in overrides:       # unset flags (0 / None) keep the preset's value
         if value:
             setattr(section, name, value)
+    if not 0.0 <= args.self_distill <= 1.0:
+        raise ValueError(f"--self-distill {args.self_distill}: the soft labels' share must be in [0, 1]")
     if args.seed is not None:
         tc.seed = args.seed
     cfg.vanilla = args.vanilla
@@ -157,6 +164,7 @@ def main(argv=None) -> int:
             every = cfg.train.save_every
             if every and trainer.state.step % every == 0 and trainer.state.step < trainer.total_steps:
                 trainer.save()
+            _snapshot(args, trainer)
     save_dtype = torch.bfloat16 if args.save_dtype == "bfloat16" else None
     trainer.save(save_dtype=save_dtype)
     if is_main:
@@ -164,6 +172,19 @@ def main(argv=None) -> int:
     if dist_info.enabled:
         torch.distributed.destroy_process_group()
     return 0
+
+
+def snapshot_dir(out, step: int) -> Path:
+    """Where `--snapshot-every` keeps the weights of step `step`."""
+    return Path(f"{str(out).rstrip('/')}.snapshots") / f"step-{step:05d}"
+
+
+def _snapshot(args, trainer) -> None:
+    """A weights-only checkpoint (no optimizer state) every --snapshot-every steps, kept."""
+    step = trainer.state.step
+    if args.snapshot_every and step % args.snapshot_every == 0 and not snapshot_dir(args.out, step).exists():
+        snapshot_dir(args.out, step).parent.mkdir(parents=True, exist_ok=True)
+        trainer.save(snapshot_dir(args.out, step), save_dtype=torch.bfloat16, with_optimizer=False)
 
 
 def _choose_vocabulary(args, cfg, target, seqs) -> dict:
