@@ -518,7 +518,7 @@ class SpecEngine:
             m = tokens.shape[1]
         with stage(STAGE_VERIFY):
             block = torch.cat([anchors.cpu()[:, None], tokens], 1).to(dev)     # [N, 1+M]
-            depth = torch.cat([torch.zeros(n, 1, dtype=torch.long), tree.depth + 1], 1).to(dev)
+            depth = torch.cat([torch.zeros(n, 1, dtype=torch.long), tree.depth.cpu() + 1], 1).to(dev)
             rows = torch.tensor([s.tslot for s in seqs], device=dev)
             start = self.cache.lengths[rows].clone()                           # [N] = anchor positions
             out = self.target(block, apos[:, None] + depth, cache=self.cache, rows=rows, capture=self.capture,

@@ -16,15 +16,14 @@ product here; no renormalisation happens in these ops. Ties break to the lowest 
 (torch.argmax semantics on CPU; Triton's tl.argmax(tie_break_left=True); ONNX ArgMax with
 select_last_index=0).
 
-Under ``torch.onnx.export(..., dynamo=True)``, ``match_scores``, ``greedy_walk`` and
-``fused_match_walk`` emit the custom nodes ``lilicorr::LatticeMatch`` (2 outputs),
-``lilicorr::GreedyWalk`` and ``lilicorr::LatticeMatchWalk``; ``lilicorr.plugins.onnx_functions``
+Under ``torch.onnx.export(..., dynamo=True)``, ``match_scores``, ``greedy_walk``,
+``fused_match_walk`` and ``build_tree`` emit the custom nodes ``lilicorr::LatticeMatch`` (2 outputs),
+``lilicorr::GreedyWalk``, ``lilicorr::LatticeMatchWalk`` and ``lilicorr::DraftTree`` (4 outputs); ``lilicorr.plugins.onnx_functions``
 adds ONNX local functions with the same semantics, and the TensorRT plugins of the same names
 replace them in engines.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 from dataclasses import dataclass
 
@@ -40,6 +39,7 @@ __all__ = [
     "fused_match_walk",
     "brute_force_best_path",
     "DraftTree",
+    "tree_size",
     "build_tree",
     "tree_attention",
 ]
@@ -227,43 +227,75 @@ class DraftTree:
         return cand_ids[rows, self.depth.to(cand_ids.device), self.cand.to(cand_ids.device)]
 
 
+def tree_size(k: int, num_slots: int) -> int:
+    """Number of paths of a K-candidate lattice over S slots: sum_j K^j, j = 1..S."""
+    return sum(k ** (j + 1) for j in range(num_slots))
+
+
+def _best_first(x: torch.Tensor, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, P] -> (values, indices) [N, w] of the w largest, best first, ties to the lower index
+    (a stable sort: torch.topk does not promise an order among equal values; ONNX TopK does)."""
+    v, i = torch.sort(x, dim=-1, descending=True, stable=True)
+    return v[:, :w], i[:, :w]
+
+
 def build_tree(anchor_scores: torch.Tensor, pair_scores: torch.Tensor, num_nodes: int) -> DraftTree:
-    """Best-first draft tree from the lattice (rule `tree`).
+    """Best-first draft tree from the lattice (rule `tree`), op ``lilicorr::DraftTree``.
 
     anchor_scores [N, K], pair_scores [N, S-1, K, K] -> DraftTree of M = min(num_nodes, sum_j K^j)
     nodes per row. The root's children are the K anchor candidates with log-conditionals
     log softmax(anchor_scores); a node at slot j holding candidate k has the K children at slot j+1
-    with log softmax(pair_scores[j, k, :]) (the locally normalised Eq. 2 scores the walk uses).
-    Repeatedly the frontier node with the highest path score joins the tree and its children join
-    the frontier. Ties go to the node that joined the frontier first (the root's children and each
-    node's children enter in candidate order), so the tree is deterministic. Row by row on the
-    host: M and K are small and the heap is sequential.
+    with log softmax(pair_scores[j, k, :]) (the locally normalised Eq. 2 scores the walk uses). The
+    tree is the M paths with the highest summed log-conditionals, in best-first expansion order.
+
+    Log-conditionals are <= 0, so a path never scores above its prefix: the best M paths are
+    closed under prefixes and they are exactly what a best-first expansion reaches in M pops. They
+    are computed by slot, with no heap: the best min(M, K^(j+1)) paths at slot j are the best among
+    the children of the paths kept at slot j-1 (a path cut there has M better ones at its own slot,
+    and so has every extension of it), and the tree is the best M of all kept paths. Order:
+    score, then slot (a parent before its children on equal scores), then rank within the slot,
+    where a slot ranks its paths by score, then parent rank, then candidate index. Device and
+    dtype independent tensor ops; under ONNX export this is one ``lilicorr::DraftTree`` node
+    (``lilicorr.plugins.onnx_functions.draft_tree_function`` has the same semantics).
     """
     if anchor_scores.dim() != 2 or pair_scores.dim() != 4:
         raise ValueError(f"expected [N,K] and [N,S-1,K,K]; got {tuple(anchor_scores.shape)}, "
                          f"{tuple(pair_scores.shape)}")
-    if num_nodes < 1:
-        raise ValueError(f"a draft tree needs at least one node, got {num_nodes}")
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise ValueError(f"a draft tree needs at least one node, got {num_nodes!r}")
     n, k = anchor_scores.shape
     s = pair_scores.shape[1] + 1
-    m = min(num_nodes, sum(k ** (j + 1) for j in range(s)))
-    root = torch.log_softmax(anchor_scores.detach().float().cpu(), -1).tolist()           # [N][K]
-    cond = torch.log_softmax(pair_scores.detach().float().cpu(), -1).tolist()             # [N][S-1][K][K]
-    parent, depth, cand, score = ([[0] * m for _ in range(n)] for _ in range(4))
-    for r in range(n):
-        order = itertools.count()
-        frontier = [(-root[r][c], next(order), -1, 0, c) for c in range(k)]   # (-score, tie, parent, depth, cand)
-        heapq.heapify(frontier)
-        for node in range(m):
-            neg, _, par, d, c = heapq.heappop(frontier)
-            parent[r][node], depth[r][node], cand[r][node], score[r][node] = par, d, c, -neg
-            if d + 1 < s:
-                row = cond[r][d][c]
-                for c2 in range(k):
-                    heapq.heappush(frontier, (neg - row[c2], next(order), node, d + 1, c2))
-    as_long = lambda x: torch.tensor(x, dtype=torch.long).view(n, m)  # noqa: E731
-    return DraftTree(as_long(parent), as_long(depth), as_long(cand),
-                     torch.tensor(score, dtype=torch.float32).view(n, m))
+    m = min(num_nodes, tree_size(k, s))
+    if _in_onnx_export():
+        parent, depth, cand, score = torch.onnx.ops.symbolic_multi_out(
+            f"{ONNX_DOMAIN}::DraftTree", (anchor_scores, pair_scores),
+            {"num_nodes": int(num_nodes), **_plugin_attrs()},
+            dtypes=(torch.int64, torch.int64, torch.int64, torch.float32),
+            shapes=((n, m),) * 4, version=1)
+        return DraftTree(parent, depth, cand, score)
+    dev = anchor_scores.device
+    rows = torch.arange(n, device=dev)[:, None]
+    cond = torch.log_softmax(pair_scores.detach().float(), -1)                  # [N, S-1, K, K]
+    val, c = _best_first(torch.log_softmax(anchor_scores.detach().float(), -1), min(m, k))   # [N, W0]
+    vals, cands, depths = [val], [c], [torch.zeros_like(c)]
+    parents = [torch.full_like(c, -1)]            # index of the parent among all kept paths, -1: root
+    offset = 0
+    for j in range(s - 1):
+        w = val.shape[1]
+        ext = val[:, :, None] + cond[rows, j, c]                                 # [N, W, K]
+        val, flat = _best_first(ext.reshape(n, w * k), min(m, w * k))            # [N, W']
+        c = flat % k
+        parents.append(offset + flat // k)
+        offset += w
+        vals.append(val)
+        cands.append(c)
+        depths.append(torch.full_like(c, j + 1))
+    score, depth, cand, par = (torch.cat(x, 1) for x in (vals, depths, cands, parents))  # [N, P]
+    score, sel = _best_first(score, m)                                           # [N, M]
+    node_of = torch.full_like(par, -1).scatter_(1, sel, torch.arange(m, device=dev).expand(n, m))
+    par = par.gather(1, sel)                                                     # [N, M] kept-path index
+    parent = torch.where(par >= 0, node_of.gather(1, par.clamp_min(0)), par)     # [N, M] node index
+    return DraftTree(parent, depth.gather(1, sel), cand.gather(1, sel), score)
 
 
 def tree_attention(parent: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,8 @@ The ops (ONNX domain = plugin namespace ``lilicorr``, plugin version ``"1"``):
         -> anchor_scores [N,K], pair_scores [N,S-1,K,K]
     GreedyWalk(anchor_scores [N,K], pair_scores [N,S-1,K,K]) -> idx [N,S] int64
     LatticeMatchWalk(anchor_out, out_vec, in_vec; sigma: float) -> idx [N,S] int64
+    DraftTree(anchor_scores [N,K], pair_scores [N,S-1,K,K]; num_nodes: int)
+        -> parent, depth, cand [N,M] int64, score [N,M] float32   (rule `tree`; M = min(num_nodes, sum_j K^j))
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import importlib
 
 NAMESPACE = "lilicorr"          # ONNX domain == TensorRT plugin namespace
 PLUGIN_VERSION = "1"
-OP_NAMES = ("LatticeMatch", "GreedyWalk", "LatticeMatchWalk")
+OP_NAMES = ("LatticeMatch", "GreedyWalk", "LatticeMatchWalk", "DraftTree")
 _SUBMODULES = ("triton_kernels", "onnx_functions", "trt_v3", "trt_qdp", "trt_build")
 
 __all__ = ["NAMESPACE", "PLUGIN_VERSION", "OP_NAMES", "require", *_SUBMODULES]

@@ -2,8 +2,8 @@
 functions built from standard ops with the semantics of ``lilicorr.lattice``.
 
 A model exported with ``torch.onnx.export(..., dynamo=True)`` from code that calls
-``lilicorr.lattice.match_scores`` / ``greedy_walk`` / ``fused_match_walk`` contains custom nodes
-``lilicorr::LatticeMatch`` / ``GreedyWalk`` / ``LatticeMatchWalk``. ``add_local_functions(model)``
+``lilicorr.lattice.match_scores`` / ``greedy_walk`` / ``fused_match_walk`` / ``build_tree`` contains
+custom nodes ``lilicorr::LatticeMatch`` / ``GreedyWalk`` / ``LatticeMatchWalk`` / ``DraftTree``. ``add_local_functions(model)``
 attaches one FunctionProto per op used, so that:
 
 * ONNX Runtime runs the model as is (it expands the local functions);
@@ -19,6 +19,9 @@ Function bodies (opset = the model's default-domain opset, >= 15 for CastLike):
                       walk="loop": the same body in an ONNX Loop over S-1 iterations (S dynamic).
     LatticeMatchWalk  same walk, but each slot computes only the committed row:
                       GatherND(out_vec[:, j-1], c) -> MatMul with in_vec[:, j] -> ArgMax.
+    DraftTree         LogSoftmax, per slot TopK over the kept paths' children, TopK over all kept
+                      paths, ScatterElements to renumber parents (``draft_tree_function``); needs
+                      the static S.
 
 ArgMax uses select_last_index=0: ties go to the lowest index, as in the reference.
 """
@@ -33,7 +36,7 @@ from onnx import AttributeProto, TensorProto, helper  # noqa: E402
 
 __all__ = [
     "register_schemas", "lattice_match_function", "greedy_walk_function",
-    "lattice_match_walk_function", "add_local_functions", "set_node_attributes",
+    "lattice_match_walk_function", "draft_tree_function", "add_local_functions", "set_node_attributes",
     "lilicorr_nodes", "infer_num_slots", "default_opset",
 ]
 
@@ -90,6 +93,19 @@ def register_schemas() -> None:
                  attributes=[OpSchema.Attribute("sigma", OpSchema.AttrType.FLOAT, "Eq. 1 scale",
                                                 required=True)] + plugin_attrs()),
     ]
+    schemas.append(OpSchema(
+        "DraftTree", NAMESPACE, 1,
+        "Best-first draft tree of rule `tree` (lilicorr.lattice.build_tree): the M = min(num_nodes, "
+        "sum_j K^j) paths with the highest summed log-conditionals (log-softmax of the Eq. 2 scores), "
+        "in expansion order",
+        inputs=[FP("anchor_scores", "T", "[N, K]"), FP("pair_scores", "T", "[N, S-1, K, K]")],
+        outputs=[FP("parent", "tensor(int64)", "[N, M] parent node, -1 for a child of the anchor"),
+                 FP("depth", "tensor(int64)", "[N, M] slot of the node"),
+                 FP("cand", "tensor(int64)", "[N, M] candidate index in the slot's pool"),
+                 FP("score", "tensor(float)", "[N, M] summed log-conditionals of the node's path")],
+        type_constraints=tc,
+        attributes=[OpSchema.Attribute("num_nodes", OpSchema.AttrType.INT, "tree budget M", required=True)]
+        + plugin_attrs()))
     for s in schemas:
         try:
             defs.register_schema(s)
@@ -284,6 +300,73 @@ def lattice_match_walk_function(num_slots: int | None = None, opset: int = 20,
                  with_sigma=True)
 
 
+def draft_tree_function(num_slots: int, opset: int = 20):
+    """FunctionProto lilicorr::DraftTree(anchor_scores, pair_scores; num_nodes)
+    -> (parent, depth, cand, score), unrolled over the static S (``num_slots``); N and K dynamic.
+
+    The by-slot form of ``lattice.build_tree``: LogSoftmax, then per slot TopK of the kept paths'
+    children (k = min(M, width x K), computed at run time), then TopK of all kept paths and a
+    ScatterElements that renumbers parents as node indices. TopK (sorted, largest) returns equal
+    values lowest index first, which is the reference's tie order."""
+    if num_slots is None or num_slots < 1:
+        raise ValueError("DraftTree's function needs the static number of slots S >= 1")
+    b = _Body()
+    ref = AttributeProto()
+    ref.name, ref.ref_attr_name, ref.type = "value_int", "num_nodes", AttributeProto.INT
+    node = helper.make_node("Constant", [], [b.name("m_scalar")])
+    node.attribute.append(ref)
+    b.nodes.append(node)
+    budget = b.op("Unsqueeze", [node.output[0], b.ints([0])], "m")                     # [1]
+    k = b.op("Slice", [b.op("Shape", ["anchor_scores"], "shape_a"), b.ints([1]), b.ints([2])], "k")  # [1]
+    root = b.op("LogSoftmax", [b.op("Cast", ["anchor_scores"], "a32", to=TensorProto.FLOAT)], "root", axis=-1)
+    cond = b.op("LogSoftmax", [b.op("Cast", ["pair_scores"], "p32", to=TensorProto.FLOAT)], "cond", axis=-1)
+
+    def top(x: str, width: str, hint: str):
+        return b.op("TopK", [x, width], hint, n_out=2, axis=-1, largest=1, sorted=1)
+
+    def width_of(x: str) -> str:                                                        # [1]
+        return b.op("Slice", [b.op("Shape", [x], "shape"), b.ints([1]), b.ints([2])], "w")
+
+    val, c = top(root, b.op("Min", [budget, k], "w0"), "t0")                            # [N, W0]
+    zeros = b.op("Mul", [c, b.scalar_int(0)], "zeros")
+    vals, cands, depths, parents = [val], [c], [zeros], [b.op("Sub", [zeros, b.scalar_int(1)], "root_par")]
+    offset = b.ints([0])
+    for j in range(num_slots - 1):
+        w = width_of(val)
+        rows = b.op("GatherND", [b.op("Gather", [cond, b.scalar_int(j)], "cj", axis=1),
+                                 b.op("Unsqueeze", [c, b.ints([-1])], "cidx")], "rows", batch_dims=1)  # [N, W, K]
+        ext = b.op("Add", [b.op("Unsqueeze", [val, b.ints([-1])], "v3"), rows], "ext")  # [N, W, K]
+        flat = b.op("Reshape", [ext, b.ints([0, -1])], "flat")                          # [N, W*K]
+        val, f = top(flat, b.op("Min", [budget, b.op("Mul", [w, k], "wk")], "wn"), f"t{j + 1}")
+        c = b.op("Mod", [f, k], "cand")
+        parents.append(b.op("Add", [b.op("Div", [f, k], "pr"), offset], "par"))
+        offset = b.op("Add", [offset, w], "off")
+        vals.append(val)
+        cands.append(c)
+        depths.append(b.op("Add", [b.op("Mul", [c, b.scalar_int(0)], "z"), b.scalar_int(j + 1)], "d"))
+    score_all, depth_all, cand_all, par_all = (b.op("Concat", xs, hint, axis=1) for xs, hint in
+                                               ((vals, "scores"), (depths, "depths"), (cands, "cands"),
+                                                (parents, "parents")))
+    m = b.op("Min", [budget, width_of(score_all)], "m_eff")                             # [1]
+    score, sel = top(score_all, m, "tsel")                                              # [N, M]
+    b.op("Identity", [score], outputs=["score"])
+    numbers = b.op("Range", [b.scalar_int(0), b.op("Squeeze", [m, b.ints([0])], "m0"), b.scalar_int(1)], "ar")
+    numbers = b.op("Expand", [numbers, b.op("Shape", [sel], "shape_sel")], "numbers")   # [N, M]
+    minus = b.op("Sub", [b.op("Mul", [par_all, b.scalar_int(0)], "z2"), b.scalar_int(1)], "minus")
+    node_of = b.op("ScatterElements", [minus, sel, numbers], "node_of", axis=1)         # [N, P]
+    par = b.op("GatherElements", [par_all, sel], "par_sel", axis=1)                     # [N, M]
+    as_node = b.op("GatherElements", [node_of, b.op("Max", [par, b.scalar_int(0)], "par0")], "par_node", axis=1)
+    b.op("Where", [b.op("Less", [par, b.scalar_int(0)], "is_root"), par, as_node], outputs=["parent"])
+    b.op("GatherElements", [depth_all, sel], outputs=["depth"], axis=1)
+    b.op("GatherElements", [cand_all, sel], outputs=["cand"], axis=1)
+    if opset < 15:
+        raise ValueError(f"the lilicorr local functions need default-domain opset >= 15; got {opset}")
+    return helper.make_function(
+        NAMESPACE, "DraftTree", ["anchor_scores", "pair_scores"], ["parent", "depth", "cand", "score"], b.nodes,
+        [helper.make_opsetid("", opset)], attributes=["num_nodes"], attribute_protos=_plugin_attr_protos(),
+        doc_string="lilicorr::DraftTree (reference: lilicorr.lattice.build_tree)")
+
+
 # --------------------------------------------------------------------------------------------
 # model editing
 # --------------------------------------------------------------------------------------------
@@ -318,11 +401,11 @@ def _known_shapes(model) -> dict:
 
 
 def infer_num_slots(model, node) -> int | None:
-    """Static S of a GreedyWalk / LatticeMatchWalk node from the model's recorded shapes
+    """Static S of a GreedyWalk / LatticeMatchWalk / DraftTree node from the model's recorded shapes
     (graph inputs/outputs/value_info); None if unknown."""
     shapes = _known_shapes(model)
     cands = []
-    if node.op_type == "GreedyWalk":
+    if node.op_type in ("GreedyWalk", "DraftTree"):
         p = shapes.get(node.input[1])
         if p and len(p) == 4 and p[1] is not None:
             cands.append(p[1] + 1)
@@ -331,7 +414,7 @@ def infer_num_slots(model, node) -> int | None:
             v = shapes.get(name)
             if v and len(v) == 4 and v[1] is not None:
                 cands.append(v[1])
-    if node.op_type != "LatticeMatch":
+    if node.op_type in ("GreedyWalk", "LatticeMatchWalk"):
         o = shapes.get(node.output[0])
         if o and len(o) == 2 and o[1] is not None:
             cands.append(o[1])
@@ -378,6 +461,13 @@ def add_local_functions(model, num_slots: int | None = None, walk: str = "auto",
         new.append(greedy_walk_function(opset=opset, **walk_args("GreedyWalk")))
     if "LatticeMatchWalk" in wanted:
         new.append(lattice_match_walk_function(opset=opset, **walk_args("LatticeMatchWalk")))
+    if "DraftTree" in wanted:
+        slots = {num_slots if num_slots is not None else infer_num_slots(model, n)
+                 for n in lilicorr_nodes(model, ["DraftTree"])} or {num_slots}
+        if len(slots) != 1 or None in slots:
+            raise ValueError(f"DraftTree's function needs one static S; found {sorted(slots, key=str)} "
+                             "(pass num_slots=...)")
+        new.append(draft_tree_function(slots.pop(), opset))
     names = {f.name for f in new}
     keep = [f for f in model.functions if not (f.domain == NAMESPACE and f.name in names)]
     del model.functions[:]

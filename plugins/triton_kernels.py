@@ -6,6 +6,8 @@ TensorRT AOT plugin launch uses, see ``compile_ptx``):
     lattice_match_kernel      grid (N, S)  program (n, 0): anchor row; (n, s>0): pair table s-1
     greedy_walk_kernel        grid (N,)    sequential Eq. 8 walk over precomputed scores
     lattice_match_walk_kernel grid (N,)    fused: per slot only the committed candidate's row
+    draft_tree_kernel         grid (N,)    rule `tree`'s best-first tree (lattice.build_tree): per
+                                           slot one sort of packed (log-prob, index) keys
 
 K and E need not be powers of two (BLOCK_K / BLOCK_E are padded and masked). Accumulation is
 fp32 whatever the storage dtype (fp32 / fp16 / bf16). Inputs are assumed contiguous (the
@@ -33,7 +35,7 @@ except ImportError as exc:  # pragma: no cover - exercised only where triton is 
 
 __all__ = [
     "lattice_match_kernel", "greedy_walk_kernel", "lattice_match_walk_kernel",
-    "lattice_match", "greedy_walk", "fused_match_walk", "block_sizes", "compile_ptx",
+    "draft_tree_kernel", "lattice_match", "greedy_walk", "fused_match_walk", "draft_tree", "block_sizes", "compile_ptx",
     "strip_unused_params",
 ]
 
@@ -136,6 +138,103 @@ def lattice_match_walk_kernel(anchor_ptr, out_ptr, in_ptr,     # [N,E], [N,S,K,E
         tl.store(idx_ptr + n * S + j, c.to(tl.int64))
 
 
+_INVALID_KEY: tl.constexpr = -9223372036854775808   # int64 min: sorts after every real key
+
+
+@triton.jit
+def _sort_key(val, idx):
+    """fp32 value, integer index -> int64 key: descending keys = descending values, then
+    ascending indices (the reference's tie order). The float's bits become an order-preserving
+    int32 (negative floats have their magnitude bits flipped) in the high half."""
+    bits = val.to(tl.int32, bitcast=True)
+    ordered = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return (ordered.to(tl.int64) << 32) | (0xFFFFFFFF - idx.to(tl.int64))
+
+
+@triton.jit
+def _unkey(key):
+    """_sort_key's inverse -> (fp32 value, int64 index)."""
+    ordered = (key >> 32).to(tl.int32)
+    bits = tl.where(ordered >= 0, ordered, ordered ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True), 0xFFFFFFFF - (key & 0xFFFFFFFF)
+
+
+@triton.jit
+def draft_tree_kernel(anchor_scores_ptr, pair_scores_ptr,       # [N,K], [N,S-1,K,K]
+                      N, S, K, M,                               # int32 sizes; M output nodes
+                      parent_ptr, depth_ptr, cand_ptr, score_ptr,   # [N,M] i64, i64, i64, f32
+                      work_ptr, kept_val_ptr,                   # scratch [N, WORK] i64, [N, S*BLOCK_M] f32
+                      BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr,
+                      SORT: tl.constexpr):
+    """lattice.build_tree for one row per program: per slot the best min(M, width x K) children
+    of the kept paths (one sort of packed (log-prob, index) keys), then the best M of all kept
+    paths, parents renumbered through a node-of scratch map. Kept path (slot j, rank r) lives at
+    g = j * BLOCK_M + r; scratch per row: [sort buffer (SORT) | cand | parent g | node of g]."""
+    n = tl.program_id(0).to(tl.int64)
+    work = work_ptr + n * (SORT + 3 * S * BLOCK_M)
+    kept_cand = work + SORT
+    kept_par = kept_cand + S * BLOCK_M
+    node_of = kept_par + S * BLOCK_M
+    kept_val = kept_val_ptr + n * S * BLOCK_M
+    ck = tl.arange(0, BLOCK_K)
+    k_ok = ck < K
+    rm = tl.arange(0, BLOCK_M)
+    # slot 0: the root's children, log softmax of the anchor scores
+    a = tl.load(anchor_scores_ptr + n * K + ck, mask=k_ok, other=float("-inf")).to(tl.float32)
+    a_max = tl.max(a, axis=0)
+    lp = a - (a_max + tl.log(tl.sum(tl.exp(a - a_max), axis=0)))
+    keys = tl.sort(tl.where(k_ok, _sort_key(lp, ck), _INVALID_KEY), descending=True)
+    tl.store(work + ck, keys)
+    tl.debug_barrier()
+    width = tl.minimum(M, K)
+    keep = rm < width
+    val, c = _unkey(tl.load(work + rm, mask=keep, other=_INVALID_KEY))
+    tl.store(kept_val + rm, tl.where(keep, val, float("-inf")))
+    tl.store(kept_cand + rm, c)
+    tl.store(kept_par + rm, tl.full((BLOCK_M,), -1, tl.int64))
+    for j in range(1, S):
+        tl.debug_barrier()
+        p_ok = rm < width
+        pv = tl.load(kept_val + (j - 1) * BLOCK_M + rm)                             # [BM]
+        pc = tl.load(kept_cand + (j - 1) * BLOCK_M + rm, mask=p_ok, other=0)         # [BM]
+        row = pair_scores_ptr + ((n * (S - 1) + (j - 1)) * K + pc[:, None]) * K + ck[None, :]
+        ok2 = p_ok[:, None] & k_ok[None, :]
+        z = tl.load(row, mask=ok2, other=float("-inf")).to(tl.float32)              # [BM, BK]
+        z_max = tl.where(p_ok, tl.max(z, axis=1), 0.0)
+        lse = z_max + tl.log(tl.where(p_ok, tl.sum(tl.exp(z - z_max[:, None]), axis=1), 1.0))
+        ext = tl.where(ok2, tl.where(p_ok, pv, 0.0)[:, None] + z - lse[:, None], 0.0)   # [BM, BK]
+        flat = rm[:, None] * K + ck[None, :]
+        key2 = tl.where(ok2, _sort_key(ext, flat), _INVALID_KEY)
+        keys = tl.sort(tl.reshape(key2, (BLOCK_M * BLOCK_K,)), descending=True)
+        tl.store(work + tl.arange(0, BLOCK_M * BLOCK_K), keys)
+        tl.debug_barrier()
+        width = tl.minimum(M, width * K)
+        keep = rm < width
+        val, f = _unkey(tl.load(work + rm, mask=keep, other=_INVALID_KEY))
+        tl.store(kept_val + j * BLOCK_M + rm, tl.where(keep, val, float("-inf")))
+        tl.store(kept_cand + j * BLOCK_M + rm, f % K)
+        tl.store(kept_par + j * BLOCK_M + rm, tl.where(keep, (j - 1) * BLOCK_M + f // K, -1))
+    # the best M of all kept paths, by score, then slot, then rank
+    tl.debug_barrier()
+    rp = tl.arange(0, BLOCK_P)
+    p_ok = rp < S * BLOCK_M
+    v = tl.load(kept_val + rp, mask=p_ok, other=float("-inf"))
+    keys = tl.sort(tl.where(p_ok & (v > float("-inf")), _sort_key(v, rp), _INVALID_KEY), descending=True)
+    tl.store(work + rp, keys)
+    tl.debug_barrier()
+    out_ok = rm < M
+    score, g = _unkey(tl.load(work + rm, mask=out_ok, other=_INVALID_KEY))
+    g = tl.where(out_ok, g, 0)
+    tl.store(node_of + g, rm.to(tl.int64), mask=out_ok)
+    tl.debug_barrier()
+    par = tl.load(kept_par + g, mask=out_ok, other=-1)
+    parent = tl.where(par >= 0, tl.load(node_of + tl.maximum(par, 0), mask=out_ok & (par >= 0), other=-1), -1)
+    tl.store(parent_ptr + n * M + rm, parent, mask=out_ok)
+    tl.store(depth_ptr + n * M + rm, g // BLOCK_M, mask=out_ok)
+    tl.store(cand_ptr + n * M + rm, tl.load(kept_cand + g, mask=out_ok, other=0), mask=out_ok)
+    tl.store(score_ptr + n * M + rm, score, mask=out_ok)
+
+
 # --------------------------------------------------------------------------------------------
 # launch wrappers (torch tensors in, torch tensors out; CPU under TRITON_INTERPRET=1, or CUDA)
 # --------------------------------------------------------------------------------------------
@@ -216,6 +315,37 @@ def fused_match_walk(anchor_out: torch.Tensor, out_vec: torch.Tensor, in_vec: to
     lattice_match_walk_kernel[(N,)](anchor_out, out_vec, in_vec, N, S, K, E, idx,
                                     SIGMA=_sigma_constexpr(sigma), BLOCK_K=bk, BLOCK_E=be)
     return idx
+
+
+def draft_tree(anchor_scores: torch.Tensor, pair_scores: torch.Tensor, num_nodes: int, *,
+               parent: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+               cand: torch.Tensor | None = None, score: torch.Tensor | None = None):
+    """anchor_scores [N,K], pair_scores [N,S-1,K,K] -> (parent, depth, cand [N,M] int64,
+    score [N,M] fp32), M = min(num_nodes, sum_j K^j): lattice.build_tree (rule `tree`). Scores
+    must be finite. Pass contiguous outputs to write in place."""
+    from lilicorr.lattice import tree_size
+
+    N, K = anchor_scores.shape
+    S = pair_scores.shape[1] + 1
+    if num_nodes < 1:
+        raise ValueError(f"a draft tree needs at least one node, got {num_nodes}")
+    M = min(int(num_nodes), tree_size(K, S))
+    dev = anchor_scores.device
+    parent, depth, cand = (x if x is not None else torch.empty((N, M), dtype=torch.int64, device=dev)
+                           for x in (parent, depth, cand))
+    if score is None:
+        score = torch.empty((N, M), dtype=torch.float32, device=dev)
+    if N == 0:
+        return parent, depth, cand, score
+    bk, bm = max(2, _next_pow2(K)), max(2, _next_pow2(M))
+    bp = _next_pow2(S * bm)
+    sort = max(bm * bk, bp)
+    work = torch.empty((N, sort + 3 * S * bm), dtype=torch.int64, device=dev)
+    kept_val = torch.empty((N, S * bm), dtype=torch.float32, device=dev)
+    draft_tree_kernel[(N,)](anchor_scores.contiguous(), pair_scores.contiguous(), N, S, K, M,
+                            parent, depth, cand, score, work, kept_val,
+                            BLOCK_K=bk, BLOCK_M=bm, BLOCK_P=bp, SORT=sort)
+    return parent, depth, cand, score
 
 
 # --------------------------------------------------------------------------------------------

@@ -3,17 +3,19 @@ and ``tensorrt_rtx`` (TensorRT for RTX) alike: the classes are built against the
 in, so the same code serves both.
 
     trt = lilicorr.plugins.trt_v3.load_trt("tensorrt-rtx")     # or: import tensorrt_rtx as trt
-    register_v3_plugins(trt)        # creators LatticeMatch / GreedyWalk / LatticeMatchWalk,
+    register_v3_plugins(trt)        # creators LatticeMatch / GreedyWalk / LatticeMatchWalk / DraftTree,
                                     # namespace "lilicorr", version "1"
     # ONNX nodes with op_type = plugin name and attribute plugin_namespace="lilicorr" now parse
     # into IPluginV3 layers; or add one by hand:
     layer = network.add_plugin_v3([a, o, i], [], create_plugin(trt, "LatticeMatch", sigma=10.0))
 
-Plugin fields: ``sigma`` (FLOAT32) for LatticeMatch / LatticeMatchWalk; none for GreedyWalk.
-I/O: fp32 / fp16 / bf16 vectors and scores (one type per plugin), int64 indices, linear format.
+Plugin fields: ``sigma`` (FLOAT32) for LatticeMatch / LatticeMatchWalk; none for GreedyWalk;
+``num_nodes`` (INT32) for DraftTree. I/O: fp32 / fp16 / bf16 vectors and scores (one type per
+plugin), int64 indices, DraftTree's path scores fp32, linear format.
 ``enqueue`` wraps TensorRT's device pointers as torch CUDA tensors (no copy), and launches the
 Triton kernels of ``lilicorr.plugins.triton_kernels`` on TensorRT's stream through
-``torch.cuda.ExternalStream``. Engines that contain these plugins need this module imported and
+``torch.cuda.ExternalStream``. DraftTree needs K and S fixed at build time: they size its
+outputs, [N, min(num_nodes, sum_j K^j)]. Engines that contain these plugins need this module imported and
 ``register_v3_plugins`` called before deserialization (the Python classes run at enqueue).
 """
 from __future__ import annotations
@@ -104,8 +106,9 @@ def plugin_classes(trt) -> dict:
         N_OUT = 1
         HAS_SIGMA = True
         INT_OUT = True     # outputs are int64 indices (else: same float type as the inputs)
+        INT_FIELD = ""     # name of an INT32 plugin field (DraftTree: num_nodes)
 
-        def __init__(self, sigma: float = 1.0, phase=None):
+        def __init__(self, sigma: float = 1.0, phase=None, int_value: int = 0):
             trt.IPluginV3.__init__(self)
             trt.IPluginV3OneCore.__init__(self)
             trt.IPluginV3OneBuild.__init__(self)
@@ -117,28 +120,32 @@ def plugin_classes(trt) -> dict:
             self.timing_cache_id = ""
             self.sigma = float(sigma)
             self.phase = phase
+            self.int_value = int(int_value)
 
         # ---- core
         def get_capability_interface(self, type):
             return self
 
         def clone(self):
-            c = type(self)(self.sigma, self.phase)
+            c = type(self)(self.sigma, self.phase, self.int_value)
             c.__dict__.update(self.__dict__)
             return c
 
         # ---- build
-        def get_output_data_types(self, input_types):
+        def output_types(self, input_type):
             if self.INT_OUT:
                 return [trt.DataType.INT64] * self.N_OUT
-            return [input_types[0]] * self.N_OUT
+            return [input_type] * self.N_OUT
+
+        def get_output_data_types(self, input_types):
+            return self.output_types(input_types[0])
 
         def supports_format_combination(self, pos, in_out, num_inputs):
             desc = in_out[pos].desc
             if desc.format != trt.TensorFormat.LINEAR:
                 return False
-            if pos >= num_inputs and self.INT_OUT:
-                return desc.type == trt.DataType.INT64
+            if pos >= num_inputs:
+                return desc.type == self.output_types(in_out[0].desc.type)[pos - num_inputs]
             if desc.type not in float_types:
                 return False
             return pos == 0 or desc.type == in_out[0].desc.type
@@ -164,6 +171,9 @@ def plugin_classes(trt) -> dict:
             if self.HAS_SIGMA:
                 fields.append(trt.PluginField("sigma", np.array([self.sigma], dtype=np.float32),
                                               trt.PluginFieldType.FLOAT32))
+            if self.INT_FIELD:
+                fields.append(trt.PluginField(self.INT_FIELD, np.array([self.int_value], dtype=np.int32),
+                                              trt.PluginFieldType.INT32))
             return trt.PluginFieldCollection(fields)
 
         def enqueue(self, input_desc, output_desc, inputs, outputs, workspace, stream):
@@ -206,6 +216,23 @@ def plugin_classes(trt) -> dict:
         def _launch(self, tk, ins, outs):
             tk.fused_match_walk(*ins, self.sigma, idx=outs[0])
 
+    class DraftTreePlugin(_LatticePlugin):
+        OP, N_IN, N_OUT, HAS_SIGMA, INT_OUT, INT_FIELD = "DraftTree", 2, 4, False, False, "num_nodes"
+
+        def output_types(self, input_type):
+            return [trt.DataType.INT64] * 3 + [trt.DataType.FLOAT]
+
+        def get_output_shapes(self, inputs, shape_inputs, eb):
+            from lilicorr.lattice import tree_size
+            a, p = inputs                                    # [N, K], [N, S-1, K, K]
+            if not (a[1].is_constant() and p[1].is_constant()):
+                raise ValueError("lilicorr::DraftTree needs K and S fixed at build time (they size its outputs)")
+            m = min(self.int_value, tree_size(a[1].get_constant_value(), p[1].get_constant_value() + 1))
+            return [trt.DimsExprs([a[0], eb.constant(m)])] * 4
+
+        def _launch(self, tk, ins, outs):
+            tk.draft_tree(*ins, self.int_value, parent=outs[0], depth=outs[1], cand=outs[2], score=outs[3])
+
     def make_creator_class(plugin_cls):
         class _Creator(trt.IPluginCreatorV3One):
             def __init__(self):
@@ -217,32 +244,40 @@ def plugin_classes(trt) -> dict:
                 if plugin_cls.HAS_SIGMA:
                     fields.append(trt.PluginField("sigma", np.array([], dtype=np.float32),
                                                   trt.PluginFieldType.FLOAT32))
+                if plugin_cls.INT_FIELD:
+                    fields.append(trt.PluginField(plugin_cls.INT_FIELD, np.array([], dtype=np.int32),
+                                                  trt.PluginFieldType.INT32))
                 self.field_names = trt.PluginFieldCollection(fields)
 
             def create_plugin(self, name, fc, phase):
-                sigma = None
+                sigma = value = None
                 for f in fc:
                     if f.name == "sigma":
                         sigma = float(np.asarray(f.data, dtype=np.float64).reshape(-1)[0])
+                    elif plugin_cls.INT_FIELD and f.name == plugin_cls.INT_FIELD:
+                        value = int(np.asarray(f.data).reshape(-1)[0])
                 if plugin_cls.HAS_SIGMA and sigma is None:
                     raise ValueError(f"lilicorr::{plugin_cls.OP}: missing plugin field 'sigma' "
                                      "(the ONNX node needs a float attribute sigma)")
-                return plugin_cls(1.0 if sigma is None else sigma, phase)
+                if plugin_cls.INT_FIELD and (value is None or value < 1):
+                    raise ValueError(f"lilicorr::{plugin_cls.OP}: plugin field '{plugin_cls.INT_FIELD}' must be "
+                                     f"a positive integer (the ONNX node's int attribute), got {value}")
+                return plugin_cls(1.0 if sigma is None else sigma, phase, value or 0)
 
         _Creator.__name__ = _Creator.__qualname__ = f"{plugin_cls.OP}Creator"
         return _Creator
 
     classes = {}
-    for cls in (LatticeMatchPlugin, GreedyWalkPlugin, LatticeMatchWalkPlugin):
+    for cls in (LatticeMatchPlugin, GreedyWalkPlugin, LatticeMatchWalkPlugin, DraftTreePlugin):
         classes[cls.OP] = (cls, make_creator_class(cls))
     _CLASSES[key] = classes
     return classes
 
 
-def create_plugin(trt, op: str, sigma: float = 1.0, phase=None):
-    """A plugin instance for ``network.add_plugin_v3(inputs, [], plugin)``."""
+def create_plugin(trt, op: str, sigma: float = 1.0, phase=None, num_nodes: int = 0):
+    """A plugin instance for ``network.add_plugin_v3(inputs, [], plugin)`` (num_nodes: DraftTree's M)."""
     plugin_cls, _ = plugin_classes(trt)[op]
-    return plugin_cls(sigma, trt.TensorRTPhase.BUILD if phase is None else phase)
+    return plugin_cls(sigma, trt.TensorRTPhase.BUILD if phase is None else phase, num_nodes)
 
 
 def registered_creators(trt) -> dict:

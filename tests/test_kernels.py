@@ -113,3 +113,16 @@ def test_cuda_sources_compile_for_sm90(cu, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert (tmp_path / "k.o").stat().st_size > 0
+
+
+@pytest.mark.parametrize("N,K,S,M", [(2, 8, 7, 16), (3, 2, 3, 100), (2, 5, 4, 1), (1, 3, 1, 5), (1, 6, 5, 37)])
+def test_draft_tree_kernel(N, K, S, M):
+    """The tree kernel equals lattice.build_tree node for node, ties included."""
+    g = torch.Generator().manual_seed(N * 100 + K * 10 + M)
+    a, p = 3 * torch.randn(N, K, generator=g), 3 * torch.randn(N, S - 1, K, K, generator=g)
+    for a_, p_ in [(a, p), (torch.zeros_like(a), torch.zeros_like(p)), (a.round(), p.round().clamp(-1, 1))]:
+        ref = L.build_tree(a_, p_, M)
+        got = tk.draft_tree(a_, p_, M)
+        for name, x, y in zip(("parent", "depth", "cand"), got[:3], (ref.parent, ref.depth, ref.cand)):
+            assert torch.equal(x, y), name
+        torch.testing.assert_close(got[3], ref.score, atol=1e-5, rtol=1e-5)

@@ -146,3 +146,53 @@ def test_no_custom_nodes_outside_export():
     args = vectors(2, 4, 3, 8)
     a, p, idx, fidx = LatticeModule()(*args)
     assert idx.dtype == torch.long and torch.equal(idx, fidx)
+
+
+class TreeModule(torch.nn.Module):
+    """Rule `tree`'s construction as a graph: lilicorr::DraftTree."""
+
+    def __init__(self, num_nodes):
+        super().__init__()
+        self.num_nodes = num_nodes
+
+    def forward(self, anchor_scores, pair_scores):
+        t = L.build_tree(anchor_scores, pair_scores, self.num_nodes)
+        return t.parent, t.depth, t.cand, t.score
+
+
+def export_tree(num_nodes, N=2, S=7, K=8):
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(N, K, generator=g), torch.randn(N, S - 1, K, K, generator=g))
+    prog = torch.onnx.export(TreeModule(num_nodes).eval(), args, dynamo=True,
+                             input_names=["anchor_scores", "pair_scores"],
+                             output_names=["parent", "depth", "cand", "score"], dynamic_shapes=({0: "N"}, {0: "N"}))
+    return prog.model_proto
+
+
+@pytest.mark.parametrize("S,K,M", [(7, 8, 16), (7, 8, 64), (3, 2, 100), (4, 5, 1)])
+def test_draft_tree_node_runs_in_onnxruntime_as_the_reference(S, K, M):
+    m = export_tree(M, S=S, K=K)
+    nodes = OF.lilicorr_nodes(m)
+    assert [n.op_type for n in nodes] == ["DraftTree"]
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in nodes[0].attribute}
+    assert attrs["num_nodes"] == M and attrs["plugin_namespace"] == b"lilicorr"
+    assert OF.infer_num_slots(m, nodes[0]) == S
+    OF.add_local_functions(m)
+    onnx.checker.check_model(m, full_check=True)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    for n, seed in [(3, 1), (1, 2)]:                            # dynamic batch
+        g = torch.Generator().manual_seed(seed)
+        a, p = 3 * torch.randn(n, K, generator=g), 3 * torch.randn(n, S - 1, K, K, generator=g)
+        cases = [(a, p), (torch.zeros_like(a), torch.zeros_like(p)),       # all ties
+                 (a.round(), p.round().clamp(-1, 1))]                      # many ties
+        for a_, p_ in cases:
+            got = sess.run(None, {"anchor_scores": a_.numpy(), "pair_scores": p_.numpy()})
+            ref = TreeModule(M)(a_, p_)
+            for name, x, y in zip(("parent", "depth", "cand"), got[:3], ref[:3]):
+                assert x.dtype == np.int64 and np.array_equal(x, y.numpy()), name
+            np.testing.assert_allclose(got[3], ref[3].numpy(), atol=1e-5)
+
+
+def test_draft_tree_function_needs_a_static_slot_count():
+    with pytest.raises(ValueError, match="static number of slots"):
+        OF.draft_tree_function(None)

@@ -33,7 +33,7 @@ def test_plugins_package_imports_without_heavy_deps():
         sys.meta_path.insert(0, Blocker())
         import lilicorr.plugins as P
         from lilicorr.plugins import trt_v3, trt_qdp, trt_build
-        assert P.NAMESPACE == "lilicorr" and P.OP_NAMES == ("LatticeMatch", "GreedyWalk", "LatticeMatchWalk")
+        assert P.NAMESPACE == "lilicorr" and P.OP_NAMES == ("LatticeMatch", "GreedyWalk", "LatticeMatchWalk", "DraftTree")
         msgs = []
         for fn in (lambda: trt_v3.load_trt("tensorrt"), lambda: trt_v3.load_trt("tensorrt-rtx"),
                    lambda: trt_qdp.register_qdp_plugins(), lambda: P.onnx_functions,
@@ -313,3 +313,73 @@ def test_network_api_add_plugin_v3(backend):
     net.mark_output(w.get_output(0))
     plan = builder.build_serialized_network(net, builder.create_builder_config())
     assert plan is not None and b"GreedyWalk" in bytes(plan)
+
+
+def test_v3_draft_tree_plugin_on_cpu():
+    """DraftTree's V3 plugin: its field, output types and the launch its enqueue makes (the
+    Triton kernel, here on CPU tensors through the interpreter) against lattice.build_tree; and its
+    creator's field check."""
+    trt = _rtx()
+    import numpy as np
+
+    from lilicorr.plugins import trt_v3
+    p = trt_v3.create_plugin(trt, "DraftTree", num_nodes=16)
+    assert (p.plugin_name, p.num_outputs) == ("DraftTree", 4)
+    assert [(f.name, int(np.asarray(f.data)[0])) for f in p.get_fields_to_serialize()] == [("num_nodes", 16)]
+    assert p.clone().int_value == 16
+    assert p.get_output_data_types([trt.DataType.HALF] * 2) == [trt.DataType.INT64] * 3 + [trt.DataType.FLOAT]
+    pytest.importorskip("triton")
+    out = run_py("""
+        import os
+        os.environ["TRITON_INTERPRET"] = "1"
+        import torch, tensorrt_rtx as trt
+        from lilicorr import lattice as L
+        from lilicorr.plugins import trt_v3, triton_kernels as tk
+        g = torch.Generator().manual_seed(0)
+        a, s = torch.randn(3, 8, generator=g), torch.randn(3, 6, 8, 8, generator=g)
+        outs = [torch.empty(3, 16, dtype=torch.int64) for _ in range(3)] + [torch.empty(3, 16)]
+        trt_v3.create_plugin(trt, "DraftTree", num_nodes=16)._launch(tk, [a, s], outs)
+        ref = L.build_tree(a, s, 16)
+        for got, want in zip(outs, (ref.parent, ref.depth, ref.cand, ref.score)):
+            assert torch.allclose(got, want) and got.dtype == want.dtype
+        print("OK")
+    """, env_drop=())
+    assert "OK" in out
+    creator = trt_v3.plugin_classes(trt)["DraftTree"][1]()
+    assert [f.name for f in creator.field_names] == ["num_nodes"]
+    with pytest.raises(ValueError, match="num_nodes"):
+        creator.create_plugin("t", trt.PluginFieldCollection([]), trt.TensorRTPhase.BUILD)
+
+
+@pytest.mark.slow
+def test_rtx_engine_with_the_draft_tree_plugin_then_its_local_function(tmp_path):
+    """An ONNX graph with lilicorr::DraftTree builds into a TensorRT-RTX engine with the V3
+    plugin, and without it from the local function's body."""
+    trt = _rtx()
+    pytest.importorskip("onnxscript")
+    import onnx
+    import torch
+
+    from lilicorr import lattice as L
+    from lilicorr.plugins import onnx_functions as OF
+    from lilicorr.plugins import trt_build, trt_v3
+
+    class Tree(torch.nn.Module):
+        def forward(self, anchor_scores, pair_scores):
+            t = L.build_tree(anchor_scores, pair_scores, 16)
+            return t.parent, t.depth, t.cand, t.score
+
+    args = (torch.randn(2, 8), torch.randn(2, 6, 8, 8))
+    prog = torch.onnx.export(Tree().eval(), args, dynamo=True, input_names=["anchor_scores", "pair_scores"],
+                             output_names=["parent", "depth", "cand", "score"],
+                             dynamic_shapes=({0: "N"}, {0: "N"}))
+    path = tmp_path / "tree.onnx"
+    onnx.save(OF.add_local_functions(prog.model_proto), str(path))
+    info = trt_build.build_engine_from_onnx(path, tmp_path / "plugin.plan", backend="tensorrt-rtx",
+                                            use_plugins=True, compute_capabilities=["SM89"])
+    assert [p for _, p in info["plugin_layers"]] == ["DraftTree"] and info["size_bytes"] > 0
+    assert trt_build.plan_plugin_names((tmp_path / "plugin.plan").read_bytes()) == ["DraftTree"]
+    info2 = trt_build.build_engine_from_onnx(path, tmp_path / "function.plan", backend="tensorrt-rtx",
+                                             use_plugins=False, compute_capabilities=["SM89"])
+    assert info2["plugin_layers"] == [] and info2["layer_types"].get("TOPK", 0) > 0
+    assert trt_v3.registered_creators(trt) == {}

@@ -3,6 +3,8 @@ target's tree verify, KV-cache compaction to the accepted path, and the engine's
 greedy output for mixed batches and several tree sizes."""
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 
 import pytest
@@ -10,7 +12,7 @@ import torch
 
 from lilicorr.engine import SpecEngine
 from lilicorr.kv_cache import KVCache
-from lilicorr.lattice import build_tree, greedy_walk, tree_attention
+from lilicorr.lattice import build_tree, greedy_walk, tree_attention, tree_size
 from lilicorr.target import load_target
 
 from spec_helpers import Corruptor, ScriptedRunner, hf_greedy, random_prompts, run_requests, small_model, target_of
@@ -42,6 +44,55 @@ def test_build_tree_by_hand():
     assert t.tokens(cand_ids).tolist() == [[11, 21, 12, 21, 22, 22]]
     with pytest.raises(ValueError, match="at least one node"):
         build_tree(anchor, pair, num_nodes=0)
+
+
+def best_first_by_heap(anchor_scores, pair_scores, num_nodes):
+    """The definition of the tree, run literally: pop the best frontier path M times, pushing its
+    K children (ties: the path that joined the frontier first). -> parent, depth, cand, score lists."""
+    n, k = anchor_scores.shape
+    s = pair_scores.shape[1] + 1
+    root = torch.log_softmax(anchor_scores.double(), -1).tolist()
+    cond = torch.log_softmax(pair_scores.double(), -1).tolist()
+    out = []
+    for r in range(n):
+        order = itertools.count()
+        frontier = [(-root[r][c], next(order), -1, 0, c) for c in range(k)]
+        heapq.heapify(frontier)
+        nodes = []
+        for node in range(min(num_nodes, tree_size(k, s))):
+            neg, _, par, d, c = heapq.heappop(frontier)
+            nodes.append((par, d, c, -neg))
+            if d + 1 < s:
+                for c2 in range(k):
+                    heapq.heappush(frontier, (neg - cond[r][d][c][c2], next(order), node, d + 1, c2))
+        out.append(nodes)
+    return out
+
+
+@pytest.mark.parametrize("k,s,m", [(2, 3, 5), (4, 3, 12), (8, 7, 16), (8, 7, 64), (3, 2, 100), (5, 4, 1)])
+def test_build_tree_equals_best_first_expansion(k, s, m):
+    """The by-slot computation equals popping a best-first heap M times, row by row."""
+    g = torch.Generator().manual_seed(k * 100 + s * 10 + m)
+    anchor, pair = 2 * torch.randn(3, k, generator=g), 2 * torch.randn(3, s - 1, k, k, generator=g)
+    t = build_tree(anchor, pair, num_nodes=m)
+    want = best_first_by_heap(anchor, pair, m)
+    assert t.parent.shape == (3, min(m, tree_size(k, s)))
+    for r in range(3):
+        assert t.parent[r].tolist() == [x[0] for x in want[r]]
+        assert t.depth[r].tolist() == [x[1] for x in want[r]]
+        assert t.cand[r].tolist() == [x[2] for x in want[r]]
+        assert torch.allclose(t.score[r].double(), torch.tensor([x[3] for x in want[r]], dtype=torch.double),
+                              atol=1e-5)
+
+
+def test_build_tree_runs_where_its_inputs_are():
+    """Tensor ops only: the tree comes back on the scores' device and dtype-independent (bf16 in)."""
+    g = torch.Generator().manual_seed(3)
+    anchor, pair = torch.randn(2, 4, generator=g), torch.randn(2, 3, 4, 4, generator=g)
+    t32 = build_tree(anchor, pair, 9)
+    t16 = build_tree(anchor.bfloat16(), pair.bfloat16(), 9)
+    assert t16.parent.device == anchor.device and t16.score.dtype == torch.float32
+    assert t16.parent.shape == t32.parent.shape == (2, 9)
 
 
 def test_build_tree_batch_rows_are_independent_and_start_with_the_walk():
