@@ -10,13 +10,17 @@ rejected tokens roll back by length. One step for the speculative rows:
 
 Rows with rule `ar` verify a single token per step (plain autoregressive decoding).
 
-Rule `tree` (greedy): instead of the walk's one path, the best `tree_nodes` = M nodes of the
-lattice's path tree (`lattice.build_tree`: best-first by summed log-conditionals, Eq. 2) are
-verified in one target forward over [anchor, M nodes] with a tree attention mask and positions by
-depth; the longest path whose tokens equal the target's argmax is accepted (plus the bonus token)
-and the target cache is compacted to that path (`KVCache.keep_paths`). At T > 0 a `tree` row runs
-the single-path `lilicorr` rule (exact rejection sampling along one path) until a multi-draft rule
-exists.
+Rule `tree`: instead of the walk's one path, the best `tree_nodes` = M nodes of the lattice's path
+tree (`lattice.build_tree`: best-first by summed log-conditionals, Eq. 2) are verified in one
+target forward over [anchor, M nodes] with a tree attention mask and positions by depth, and the
+target cache is compacted to the accepted path (`KVCache.keep_paths`). Greedy: the longest path
+whose tokens equal the target's argmax is accepted, plus the bonus token. T > 0 (multi-draft
+rejection sampling over deterministic siblings, `_tree_path`): at a node with target distribution
+p, its children are tried in tree order; child x is accepted with probability r(x) / sum(r), where r
+is p with every sibling already tried set to 0, and the walk moves on to it; when every child is
+rejected the bonus comes from r renormalised (from p at a leaf). Each token then has probability
+exactly p: a tried sibling x_i is emitted with prob. prod_{j<i}(1 - r_j) r(x_i)/sum(r_i) = p(x_i),
+any other token with (1 - sum_i p(x_i)) p(x) / (1 - sum_i p(x_i)) = p(x).
 
 Draft length (`draft_length`): None verifies the whole block; an int N verifies the first N drafted
 tokens; "auto" chooses per row and step from the lattice's own scores. The walk's local
@@ -337,9 +341,8 @@ class SpecEngine:
         if fresh:
             with nvtx_range("engine/prefill"):
                 events += self._prefill(fresh)
-        greedy_tree = {s.rid for s in running if s.rule == "tree" and s.temperature == 0}
-        tree = [s for s in running if s.rid in greedy_tree]
-        spec = [s for s in running if s.rule != "ar" and s.rid not in greedy_tree]
+        tree = [s for s in running if s.rule == "tree"]
+        spec = [s for s in running if s.rule not in ("ar", "tree")]
         ar = [s for s in running if s.rule == "ar"]
         if spec or ar or tree:
             with stage(BLOCK):
@@ -504,8 +507,8 @@ class SpecEngine:
         s.steps += 1
 
     def _tree_step(self, seqs: list[_Seq]) -> list[StepEvent]:
-        """Greedy rule `tree` (module docstring): draft, build each row's tree from the lattice,
-        verify [anchor, M nodes] in one forward, accept the longest matching path, compact the cache."""
+        """Rule `tree` (module docstring): draft, build each row's tree from the lattice, verify
+        [anchor, M nodes] in one forward, accept a path (`_tree_path`), compact the cache."""
         dev, n = self.device, len(seqs)
         anchors = torch.tensor([s.anchor for s in seqs], device=dev)
         apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
@@ -533,15 +536,8 @@ class SpecEngine:
                 children: dict[int, list[int]] = {}
                 for node in range(m):
                     children.setdefault(parent[i][node] + 1, []).append(node + 1)
-                path, cur = [0], 0                     # positions in the block: 0 = anchor, node + 1
-                while True:
-                    want = int(greedy[i, cur])
-                    nxt = next((c for c in children.get(cur, ()) if tok[i][c - 1] == want), None)
-                    if nxt is None:
-                        break
-                    path.append(nxt)
-                    cur = nxt
-                a, bonus = len(path) - 1, int(greedy[i, cur])
+                path, bonus = self._tree_path(s, out.logits[i], greedy[i], children, tok[i])
+                a = len(path) - 1
                 paths.append(path)
                 drafts = [tok[i][c - 1] for c in path[1:]]
                 depth_reached = min(a + 1, self.block_size - 1)
@@ -550,6 +546,42 @@ class SpecEngine:
                 self._settle_oracle(s)
             self.cache.keep_paths(rows, start, paths)
         return events
+
+    def _tree_path(self, s: _Seq, logits: torch.Tensor, greedy: torch.Tensor, children: dict[int, list[int]],
+                   tok: list[int]) -> tuple[list[int], int]:
+        """One row's accepted path through its verified tree and the bonus token.
+
+        logits [1+M, V] and greedy [1+M] at the block positions (0 = anchor, node i = i + 1);
+        children: position -> child positions in tree order; tok[i]: node i's token. -> (path of
+        positions starting at 0, bonus). Greedy: follow the child equal to the argmax. T > 0: the
+        multi-draft rule of the module docstring."""
+        path, cur = [0], 0
+        if s.temperature <= 0:
+            while True:
+                want = int(greedy[cur])
+                nxt = next((c for c in children.get(cur, ()) if tok[c - 1] == want), None)
+                if nxt is None:
+                    return path, want
+                path.append(nxt)
+                cur = nxt
+        probs = torch.softmax(logits.float().cpu() / s.temperature, -1)        # [1+M, V]
+        while True:
+            resid = probs[cur].clone()                 # p at this node, tried siblings zeroed
+            nxt = None
+            for c in children.get(cur, ()):
+                x = tok[c - 1]
+                total = float(resid.sum())
+                if float(torch.rand((), generator=s.generator)) * total < float(resid[x]):
+                    nxt = c
+                    break
+                resid[x] = 0.0
+                if float(resid.sum()) <= 0:            # x held all the mass up to rounding: it is certain
+                    nxt = c
+                    break
+            if nxt is None:
+                return path, int(torch.multinomial(resid / resid.sum(), 1, generator=s.generator))
+            path.append(nxt)
+            cur = nxt
 
     # -- adaptive draft length -----------------------------------------------------------------
     PROBE_EVERY = 16        # a batch that stopped drafting probes about once per this many steps

@@ -10,7 +10,9 @@ test, so draft slot 2 and the bonus token reach the test. The sample size is che
 shift of probability mass, and deliberately biased verifiers, swapped in for
 `SpecEngine._reject_sample`, must fail the same test: one that always accepts slot 2 and beyond,
 one that takes the bonus token by argmax, one that always accepts and one that resamples from p
-instead of the residual after a rejection.
+instead of the residual after a rejection. Rule `tree` (multi-draft sampling over the tree's
+siblings) passes the same test, and a tree verifier that tests siblings against p instead of the
+residual fails it.
 """
 from __future__ import annotations
 
@@ -131,6 +133,38 @@ class ResampleFromTarget(SpecEngine):
         return len(drafts), int(torch.multinomial(probs[len(drafts)], 1, generator=s.generator))
 
 
+class TreeSiblingsAgainstP(SpecEngine):
+    """A biased tree verifier: every sibling is tested against the node's full distribution p
+    instead of the residual left by the siblings tried before it."""
+
+    def _tree_path(self, s, logits, greedy, children, tok):
+        probs = torch.softmax(logits.float() / s.temperature, -1)
+        path, cur = [0], 0
+        while True:
+            resid = probs[cur].clone()
+            nxt = None
+            for c in children.get(cur, ()):
+                if float(torch.rand((), generator=s.generator)) < float(probs[cur, tok[c - 1]]):
+                    nxt = c
+                    break
+                resid[tok[c - 1]] = 0.0
+            if nxt is None:
+                return path, int(torch.multinomial(resid / resid.sum(), 1, generator=s.generator))
+            path.append(nxt)
+            cur = nxt
+
+
+class CountedTreePaths(SpecEngine):
+    """The real tree verifier, counting accepted nodes that are not their parent's first child."""
+
+    later_siblings = 0
+
+    def _tree_path(self, s, logits, greedy, children, tok):
+        path, bonus = super()._tree_path(s, logits, greedy, children, tok)
+        type(self).later_siblings += sum(children[a].index(b) > 0 for a, b in zip(path, path[1:]))
+        return path, bonus
+
+
 def _sample(setup, engine_cls=SpecEngine, runner="scripted", rule="argmax", n=N, temperature=1.0, seed=0,
             tokens=TOKENS):
     """-> (tokens [n, tokens], tau, per-slot acceptance counts, steps that accepted every draft)."""
@@ -212,6 +246,22 @@ def test_untrained_drafter_with_the_head_keeps_the_target_distribution(setup):
     toks, _, _, _ = _sample(setup, runner="untrained", rule="lilicorr", seed=2_000_000)
     pv = _pvalues(setup, toks)
     assert min(pv.values()) > ALPHA, pv
+
+
+@pytest.mark.parametrize("engine_cls", [CountedTreePaths, TreeSiblingsAgainstP])
+def test_tree_multi_draft_rule_keeps_the_target_distribution(setup, engine_cls):
+    """Rule `tree` at T = 1 (multi-draft rejection sampling over the tree's siblings) passes at
+    every pair of positions, with later siblings accepted often (the residual path is exercised);
+    testing each sibling against p instead of the residual fails."""
+    CountedTreePaths.later_siblings = 0
+    toks, tau, _, _ = _sample(setup, engine_cls=engine_cls, rule="tree", seed=4_000_000,
+                              n=N if engine_cls is CountedTreePaths else N_BIASED)
+    pv = _pvalues(setup, toks)
+    if engine_cls is CountedTreePaths:
+        assert tau > 1.5 and CountedTreePaths.later_siblings > N // 20, (tau, CountedTreePaths.later_siblings)
+        assert min(pv.values()) > ALPHA, pv
+    else:
+        assert min(pv.values()) < 1e-6, pv
 
 
 @pytest.mark.parametrize("engine_cls", [AlwaysAccept, ResampleFromTarget])

@@ -219,17 +219,26 @@ def test_tree_rule_is_lossless_in_mixed_batches(tiny_target_dir, family, tree_no
         assert acc["tree"] > acc["lilicorr"], acc
 
 
-def test_tree_rule_at_temperature_runs_the_single_path_rule(tiny_target_dir):
-    """At T > 0 a `tree` row is the `lilicorr` rule (exact rejection sampling along one path):
-    same seed, same tokens."""
-    target = target_of(tiny_target_dir("llama"))
+def test_tree_rule_at_temperature_is_seeded_and_mixes_with_greedy_rows(tiny_target_dir):
+    """At T > 0 a `tree` row verifies its tree (multi-draft sampling, distribution tested in
+    test_sampling.py): a seed fixes its tokens, alone or in a mixed batch with greedy rows, which
+    stay equal to transformers' greedy output."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
     model = small_model(target, 4, top_k=2)
     from lilicorr.draft_runner import TorchDraftRunner
-    engine = SpecEngine(target, TorchDraftRunner(model, 2), max_batch=2, tree_nodes=8)
-    prompt = random_prompts((6,), target.config.vocab_size, seed=4)[0]
-    a = engine.generate([prompt], 16, rule="tree", temperature=1.0, seed=7)[0]
-    b = engine.generate([prompt], 16, rule="lilicorr", temperature=1.0, seed=7)[0]
-    assert a.tokens == b.tokens and a.num_steps == b.num_steps
+    engine = SpecEngine(target, TorchDraftRunner(model, 3), max_batch=3, tree_nodes=8)
+    prompts = random_prompts((6, 9, 5), target.config.vocab_size, seed=4)
+    alone = engine.generate([prompts[0]], 24, rule="tree", temperature=1.0, seed=7)[0]
+    again = engine.generate([prompts[0]], 24, rule="tree", temperature=1.0, seed=7)[0]
+    assert alone.tokens == again.tokens and len(alone.tokens) == 24
+    reqs = [dict(prompt=prompts[0], max_tokens=24, rule="tree", temperature=1.0, seed=7),
+            dict(prompt=prompts[1], max_tokens=20, rule="lilicorr", temperature=0.0),
+            dict(prompt=prompts[2], max_tokens=20, rule="tree", temperature=0.0)]
+    mixed, _ = run_requests(engine, reqs)
+    assert mixed[0].tokens == alone.tokens
+    assert mixed[1].tokens == hf_greedy(path, prompts[1], 20)
+    assert mixed[2].tokens == hf_greedy(path, prompts[2], 20)
 
 
 def test_tree_rule_needs_a_head_and_a_valid_size(tiny_target_dir):
