@@ -35,6 +35,9 @@ def parse_args(argv=None):
                         "CPU has native bf16 matmuls, else fp16-weights where fbgemm has it, else fp32)")
     p.add_argument("--draft-length", default="",
                    help="drafted tokens verified per step recorded for serving: N or auto (default: whole block)")
+    p.add_argument("--tree-nodes", type=int, default=None,
+                   help="rule tree's node budget M built into the draft graph (lilicorr::DraftTree; default 16, "
+                        "0: none; serving uses it unless told another M)")
     p.add_argument("--yarn-factor", type=float, default=None, help="bake YaRN rope scaling into the graphs")
     p.add_argument("--tolerance", type=float, default=1e-3,
                    help="max abs error ORT vs PyTorch above which the build fails (default 1e-3)")
@@ -51,6 +54,7 @@ def main(argv=None) -> int:
                         compute_capabilities=args.compute_capabilities.split(",") if args.compute_capabilities else None,
                         yarn_factor=args.yarn_factor, tolerance=args.tolerance,
                         dtype=args.serve_dtype, draft_length=args.draft_length,
+                        **({} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}),
                         log=lambda *a: print(*a, flush=True))
     try:
         out = build_engine_dir(args.ckpt, args.target, args.out, opts)

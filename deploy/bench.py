@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from lilicorr.config import DEFAULT_TREE_NODES
 from lilicorr.data.suites import load_prompts
 from lilicorr.serving.benchmark import (add_comparisons, markdown_table, plot_speedup, request_kwargs,
                                         run_cell, scrape_metrics, stage_delta)
@@ -49,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
     p.add_argument("--dtype", default="", help="with --engine: target precision (auto, float32, bfloat16, fp16-weights; "
                    "default: the manifest's serving dtype, else auto)")
-    p.add_argument("--tree-nodes", type=int, default=16, help="with --engine: rule tree's draft-tree size M")
+    p.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, help="with --engine: rule tree's draft-tree size M")
     p.add_argument("--draft-length", default="", help="with --engine: drafted tokens verified per step, N or "
                    "auto (default: the manifest's serving choice, else the whole block)")
     p.add_argument("--threads", type=int, default=0, help="with --engine: torch threads of the engine (0: default)")

@@ -491,9 +491,10 @@ def proposal_check(torch, target, model, rule: str, prompt: list[int], blocks: i
 
 
 def run_blocks(torch, target, model, rule: str, prompt: list[int], warmup: int, blocks: int,
-               tree_nodes: int = 16) -> dict:
+               tree_nodes: int | None = None) -> dict:
     """Prefill `prompt`, then `warmup` untimed and `blocks` timed engine steps (one block each);
-    rule tree verifies `tree_nodes` draft-tree nodes per block."""
+    rule tree verifies `tree_nodes` draft-tree nodes per block (default: DEFAULT_TREE_NODES)."""
+    from lilicorr.config import DEFAULT_TREE_NODES
     from lilicorr.draft_runner import TorchDraftRunner
     from lilicorr.engine import SpecEngine
     from lilicorr.profiling import StageTimer
@@ -502,7 +503,7 @@ def run_blocks(torch, target, model, rule: str, prompt: list[int], warmup: int, 
     max_tokens = (warmup + blocks + 1) * b
     runner = TorchDraftRunner(model, num_slots=1, capacity=len(prompt) + max_tokens + 2 * b)
     engine = SpecEngine(target, runner, max_batch=1, max_seq_len=len(prompt) + max_tokens + 2 * b + 8,
-                        tree_nodes=tree_nodes)
+                        tree_nodes=tree_nodes or DEFAULT_TREE_NODES)
     rid = engine.add_request(prompt, max_tokens=max_tokens, rule=rule)
     t0 = time.perf_counter()
     engine.step()                                       # prefill (not a block)

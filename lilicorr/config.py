@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+
+DEFAULT_TREE_NODES = 16     # rule `tree`'s draft-tree node budget M wherever none is given
+
 @dataclass
 class DrafterConfig:
     """DFlash block drafter (DESIGN.md §4). Width and heads default to the target's."""

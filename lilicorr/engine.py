@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from lilicorr.costmodel import CostModel, best_length
-from lilicorr.lattice import build_tree, tree_attention
+from lilicorr.lattice import DEFAULT_TREE_NODES, build_tree, tree_attention, tree_size
 from lilicorr.model import RULES, load_model, untrained_model
 from lilicorr.profiling import BLOCK, STAGE_ACCEPT, STAGE_DRAFT, STAGE_VERIFY, nvtx_range, stage
 from lilicorr.target import load_target
@@ -176,7 +176,7 @@ def _expected(rates) -> list[float]:
 
 class SpecEngine:
     def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048,
-                 draft_length: int | str | None = None, tree_nodes: int = 16):
+                 draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
         """target: TargetModel; runner: a draft runner (None -> only rule `ar`); draft_length: None
         (whole block), N (verify the first N drafts) or "auto" (module docstring); tree_nodes: the
         draft-tree size M of rule `tree`."""
@@ -213,7 +213,7 @@ class SpecEngine:
                    max_seq_len: int = 2048, device: str = "cpu", dtype=torch.float32,
                    draft_backend: str = "torch", yarn_factor: float | None = None,
                    untrained_seed: int | None = None, block_size: int | None = None,
-                   draft_length: int | str | None = None, tree_nodes: int = 16) -> "SpecEngine":
+                   draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES) -> "SpecEngine":
         """Target from an HF folder; drafter+head from a checkpoint, an engine directory (its
         manifest names the checkpoint and the built graph), or untrained (`untrained_seed`)."""
         target = load_target(target_dir, dtype=dtype, device=device)
@@ -513,8 +513,11 @@ class SpecEngine:
         anchors = torch.tensor([s.anchor for s in seqs], device=dev)
         apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
         prop = self._draft(seqs, anchors, apos)
-        with stage(STAGE_ACCEPT):                                              # host-side tree build
-            tree = build_tree(prop.anchor_scores, prop.pair_scores, self.tree_nodes)
+        with stage(STAGE_ACCEPT):
+            tree = prop.tree                           # built by the draft graph (lilicorr::DraftTree) ...
+            _, s_, k = prop.cand_ids.shape
+            if tree is None or tree.parent.shape[1] != min(self.tree_nodes, tree_size(k, s_)):
+                tree = build_tree(prop.anchor_scores, prop.pair_scores, self.tree_nodes)   # ... or here
             cand_ids = prop.cand_ids.cpu()                                     # [N, S, K]
             tokens = tree.tokens(cand_ids)                                     # [N, M]
             vis = tree_attention(tree.parent)                                  # [N, 1+M, 1+M]

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from lilicorr.config import DEFAULT_TREE_NODES
+
 RULE_CHOICES = ("ar", "argmax", "lilicorr", "viterbi", "tree")
 SCALARS = ("tau", "oracle_tau", "tokens_per_s", "speedup_vs_ar", "tau_over_oracle", "generated_tokens",
            "wall_s", "mean_output_len")
@@ -72,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="target precision; auto = bfloat16 where this machine has native bf16 matmuls (or CUDA), "
                         "else fp16-weights (fp16 weight matrices, fp32 arithmetic; CPU fbgemm) where available, "
                         "else float32")
-    p.add_argument("--tree-nodes", type=int, default=16,
+    p.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
                    help="rule tree: draft-tree nodes M verified per step (best-first over the lattice)")
     p.add_argument("--draft-length", default=None,
                    help="drafted tokens verified per step: N, or auto (per row and step from the lattice's "

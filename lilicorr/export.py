@@ -7,13 +7,16 @@ Two graphs, so the drafter's context cache lives outside them (in the runtime's 
     draft.onnx    anchor_ids [N] i64, anchor_pos [N] i64, ctx_lengths [N] i64,
                   ctx_k_i, ctx_v_i [N, h, C, D], target_state [N, n, H] (head only)
                   -> tokens [N, S] i64 (greedy walk, Eq. 8), cand_ids [N, S, K] i64,
-                     anchor_scores [N, K], pair_scores [N, S-1, K, K] (head only)
+                     anchor_scores [N, K], pair_scores [N, S-1, K, K] (head only),
+                     tree_parent, tree_depth, tree_cand [N, M] i64, tree_score [N, M] f32
+                     (head only: rule `tree`'s draft tree of M = BuildOptions.tree_nodes nodes)
 
     draft.{backbone,lm_head,head}.onnx  draft.onnx cut at slot_hidden and slot_logits (`split_draft`):
                   one ONNX Runtime session per stage of the stage table; bit-identical to draft.onnx
 
 N (rows), T (new context tokens) and C (cached context length) are dynamic. The draft graph of a
-LiLiCorr checkpoint carries the custom nodes lilicorr::LatticeMatch and lilicorr::GreedyWalk
+LiLiCorr checkpoint carries the custom nodes lilicorr::LatticeMatch, lilicorr::GreedyWalk and
+lilicorr::DraftTree
 (plugin_namespace="lilicorr", plugin_version="1") plus their ONNX local functions, so ONNX
 Runtime runs it as is and TensorRT maps the nodes to the IPluginV3 plugins when they are
 registered (to the functions otherwise). A vanilla DFlash checkpoint exports without them
@@ -44,7 +47,7 @@ from lilicorr.drafter import inference_attention_mask
 from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REPO, EngineDirError,
                                  file_sha256, portable_path, target_record, write_manifest)
 from lilicorr.head import top_k_candidates
-from lilicorr.ort_runner import context_io_names, draft_io_names, ort_session
+from lilicorr.ort_runner import TREE_OUTPUTS, context_io_names, draft_io_names, ort_session
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD
 
 CONTEXT_ONNX, DRAFT_ONNX = "context.onnx", "draft.onnx"
@@ -89,10 +92,11 @@ class DraftGraph(nn.Module):
     `taps`, the cut tensors of the three-part split (`DRAFT_CUTS`: slot_hidden, slot_logits) are
     extra outputs after the usual ones."""
 
-    def __init__(self, model, taps: bool = False):
+    def __init__(self, model, taps: bool = False, tree_nodes: int = 0):
         super().__init__()
         self.model = model
         self.taps = taps
+        self.tree_nodes = tree_nodes if model.head is not None else 0
 
     def forward(self, anchor_ids, anchor_pos, ctx_lengths, ctx_kv, target_state=None):
         m = self.model
@@ -117,6 +121,9 @@ class DraftGraph(nn.Module):
         idx = lattice.greedy_walk(anchor_scores, pair_scores)                  # [N, S]
         tokens = torch.gather(cand_ids, -1, idx[..., None]).squeeze(-1)        # [N, S]
         out = (tokens, cand_ids, anchor_scores, pair_scores)
+        if self.tree_nodes:                                                    # rule `tree`: lilicorr::DraftTree
+            t = lattice.build_tree(anchor_scores, pair_scores, self.tree_nodes)
+            out += (t.parent, t.depth, t.cand, t.score)                        # [N, M] each
         return out + (slot_hidden, slot_logits) if self.taps else out
 
 
@@ -236,36 +243,39 @@ def export_context(model, path) -> "onnx.ModelProto":
     return proto
 
 
-def _export_draft_tapped(model):
+def _export_draft_tapped(model, tree_nodes: int = 0):
     """The draft graph with the cut tensors (DRAFT_CUTS) as extra outputs, initializers merged
     and the lilicorr local functions attached."""
     from lilicorr.plugins import onnx_functions
 
     cfg = model.cfg.drafter
     has_head = model.head is not None
-    ins, outs = draft_io_names(cfg.num_layers, has_head)
+    ins, outs = draft_io_names(cfg.num_layers, has_head, tree=bool(tree_nodes))
     n_dim = torch.export.Dim("batch", min=1, max=4096)
     c_dim = torch.export.Dim("context", min=1, max=1 << 20)
     args = draft_inputs(model, 3, 6)
     shapes = [{0: n_dim}, {0: n_dim}, {0: n_dim}, [{0: n_dim, 2: c_dim} for _ in args[3]]]
     if has_head:
         shapes.append({0: n_dim})
-    proto = _onnx_export(DraftGraph(model, taps=True), args, tuple(shapes), ins, outs + list(DRAFT_CUTS))
+    proto = _onnx_export(DraftGraph(model, taps=True, tree_nodes=tree_nodes), args, tuple(shapes), ins,
+                         outs + list(DRAFT_CUTS))
     dedupe_initializers(proto)
     if has_head:
         onnx_functions.add_local_functions(proto)
     return proto
 
 
-def export_draft(model, path, parts_dir=None) -> "onnx.ModelProto":
+def export_draft(model, path, parts_dir=None, tree_nodes: int = 0) -> "onnx.ModelProto":
     """Write draft.onnx (+ local functions of the lilicorr nodes) for `model` to `path`; with
-    `parts_dir`, also its three-part split there (`split_draft`, files DRAFT_PART_FILES)."""
+    `parts_dir`, also its three-part split there (`split_draft`, files DRAFT_PART_FILES).
+    tree_nodes M > 0 (LiLiCorr checkpoints): the graph also builds rule `tree`'s draft tree of M
+    nodes (lilicorr::DraftTree, outputs TREE_OUTPUTS)."""
     import onnx
 
-    tapped = _export_draft_tapped(model)
+    tapped = _export_draft_tapped(model, tree_nodes)
     proto = onnx.ModelProto()
     proto.CopyFrom(tapped)
-    n_out = len(draft_io_names(model.cfg.drafter.num_layers, model.head is not None)[1])
+    n_out = len(draft_io_names(model.cfg.drafter.num_layers, model.head is not None, bool(tree_nodes))[1])
     del proto.graph.output[n_out:]                     # the cut tensors stay internal in draft.onnx
     proto.doc_string = ("lilicorr draft block: anchor + cached context K/V -> drafted tokens (greedy walk), "
                         "top-K candidates, lattice scores")
@@ -423,10 +433,10 @@ def _dims(vi) -> list:
 
 # ------------------------------------------------------------------------------ validation
 def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASES,
-                         context_cases=CONTEXT_CASES) -> dict:
+                         context_cases=CONTEXT_CASES, tree_nodes: int = 0) -> dict:
     """Run both graphs in ONNX Runtime and PyTorch on sample inputs (several batch sizes and
     context lengths): max abs error of the context K/V and the lattice scores, exact equality of
-    drafted tokens and candidate ids."""
+    drafted tokens, candidate ids and (with tree_nodes) the draft tree's nodes."""
     from lilicorr.ort_runner import OrtSession
 
     ctx_sess, draft_sess = OrtSession(context_path), OrtSession(draft_path)
@@ -444,10 +454,12 @@ def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASE
     d.update(tokens_equal=True, cand_ids_equal=True, mismatched_rows=0, rows=0)
     if model.head is not None:
         d.update(anchor_scores_max_abs_err=0.0, pair_scores_max_abs_err=0.0)
+    if tree_nodes:
+        d.update(tree_equal=True)
     for i, (n, c) in enumerate(draft_cases):
         args = draft_inputs(model, n, c, seed=200 + i)
         with torch.no_grad():
-            ref = DraftGraph(model)(*args)
+            ref = DraftGraph(model, tree_nodes=tree_nodes)(*args)
         got = draft_sess.run(_flat_draft_feeds(model, args))
         case = {"N": n, "C": c, "tokens_equal": bool(torch.equal(got["tokens"], ref[0])),
                 "cand_ids_equal": bool(torch.equal(got["cand_ids"], ref[1]))}
@@ -461,6 +473,9 @@ def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASE
             case["pair_scores_max_abs_err"] = float((got["pair_scores"] - ref[3]).abs().max())
             for k in ("anchor_scores_max_abs_err", "pair_scores_max_abs_err"):
                 d[k] = max(d[k], case[k])
+        if tree_nodes:      # the node sets and order; equal scores up to the lattice scores' rounding
+            case["tree_equal"] = all(torch.equal(got[name], r) for name, r in zip(TREE_OUTPUTS[:3], ref[4:7]))
+            d["tree_equal"] &= case["tree_equal"]
         d["cases"].append(case)
     rep["max_abs_err"] = max([rep["context"]["max_abs_err"]] + [v for k, v in d.items() if k.endswith("_err")])
     return rep
@@ -474,13 +489,14 @@ def optimize_onnxruntime(src, dst, level: str = ORT_LEVEL) -> None:
 
 
 # ------------------------------------------------------------------------------ tensorrt
-_PLAN_NAME = re.compile(rb"(?<=\x00)(LatticeMatchWalk|LatticeMatch|GreedyWalk)(?=\x00)")
+_PLAN_NAME = re.compile(rb"(?<![A-Za-z0-9_(])(LatticeMatchWalk|LatticeMatch|GreedyWalk|DraftTree)(?![A-Za-z0-9_)])")
 
 
 def plan_plugins(plan: bytes) -> list[str]:
-    """lilicorr plugins a serialized plan carries: the plugin-creator table of a plan stores
-    "<namespace>\\0<version>\\0<name>\\0..." strings; layer names of an inlined local function
-    ("... (LatticeMatch)]") do not count."""
+    """lilicorr plugins a serialized plan carries: a plan with plugins stores the namespace
+    ("lilicorr\\0") and each plugin's name, in the plugin-creator table ("<namespace>\\0<version>\\0
+    <name>\\0...") or in the plugin layer's record (DraftTree, whose creator has an int field);
+    layer names of an inlined local function ("... (LatticeMatch)]") do not count."""
     if b"lilicorr\x00" not in plan:
         return []
     return sorted({m.group(1).decode() for m in _PLAN_NAME.finditer(plan)})
@@ -564,6 +580,7 @@ class BuildOptions:
     tolerance: float = 1e-3             # max abs error (ORT vs torch) above which the build fails
     dtype: str = "auto"                 # serving dtype of the target recorded in the manifest
     draft_length: str = ""              # serving draft length recorded in the manifest ("", N, auto)
+    tree_nodes: int = lattice.DEFAULT_TREE_NODES   # rule `tree`'s node budget M built into the draft graph (0: none)
     draft_cases: tuple = DRAFT_CASES
     context_cases: tuple = CONTEXT_CASES
     log: object = field(default=print, repr=False)
@@ -748,17 +765,18 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
         log("[build] exporting context.onnx (torch.onnx dynamo)")
         ctx_proto = export_context(model, tmp / CONTEXT_ONNX)
         log("[build] exporting draft.onnx and its three parts (torch.onnx dynamo)")
-        draft_proto = export_draft(model, tmp / DRAFT_ONNX, parts_dir=tmp)
+        tree_nodes = opts.tree_nodes if has_head else 0
+        draft_proto = export_draft(model, tmp / DRAFT_ONNX, parts_dir=tmp, tree_nodes=tree_nodes)
         t_export = time.perf_counter() - t0
         part_files = {p: tmp / DRAFT_PART_FILES[p] for p in DRAFT_PARTS}
         draft_summary = graph_summary(draft_proto)
         ops = sorted({n["op_type"] for n in draft_summary["custom_nodes"]})
-        want = ["GreedyWalk", "LatticeMatch"] if has_head else []
+        want = (["DraftTree"] if tree_nodes else []) + (["GreedyWalk", "LatticeMatch"] if has_head else [])
         if ops != want:
             raise RuntimeError(f"draft graph has custom nodes {ops}, expected {want}")
         log("[build] validating ONNX Runtime against PyTorch")
         validation = validate_onnxruntime(model, tmp / CONTEXT_ONNX, tmp / DRAFT_ONNX,
-                                          opts.draft_cases, opts.context_cases)
+                                          opts.draft_cases, opts.context_cases, tree_nodes)
         validation["tolerance"] = opts.tolerance
         if validation["max_abs_err"] > opts.tolerance:
             raise BuildError(f"ONNX Runtime differs from PyTorch by {validation['max_abs_err']:.3g} "
@@ -781,7 +799,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                 optimize_onnxruntime(tmp / src, tmp / dst)
                 files[graph] = dst
             val_opt = validate_onnxruntime(model, tmp / files["context"], tmp / files["draft"],
-                                           opts.draft_cases, opts.context_cases)
+                                           opts.draft_cases, opts.context_cases, tree_nodes)
             if val_opt["max_abs_err"] > opts.tolerance:
                 raise BuildError(f"the ORT-optimised graphs differ from PyTorch by {val_opt['max_abs_err']:.3g}")
             val_opt["split"] = validate_split(model, tmp / files["draft"],
@@ -799,9 +817,9 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             log(f"[build] building {opts.backend} plans")
             trt_section = build_trt_plans(tmp, opts.backend, ctx_proto, draft_proto, has_head,
                                           opts.max_batch, opts.max_context, opts.compute_capabilities)
-            if has_head and trt_section["plans"]["draft"]["plugins"] != ["GreedyWalk", "LatticeMatch"]:
+            if has_head and sorted(trt_section["plans"]["draft"]["plugins"]) != want:
                 raise RuntimeError(f"draft.plan carries plugins {trt_section['plans']['draft']['plugins']}, "
-                                   "expected GreedyWalk and LatticeMatch")
+                                   f"expected {', '.join(want)}")
         # target side + config + manifest
         tpath = portable_path(target_dir, out)
         cpath = portable_path(ckpt_dir, out)
@@ -825,7 +843,8 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             "dtype": "float32",
             # how to serve this engine: target precision ("auto": lilicorr.target.resolve_precision on the
             # serving machine) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
-            "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or "")},
+            "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or ""),
+                        "tree_nodes": tree_nodes or None},
             "draft_vocab_size": d.draft_vocab_size,
             "checkpoint": {"path": cpath, "sha256": weights_sha, "config_sha256": file_sha256(ckpt_dir / CONFIG),
                            "step": ckpt_io.read_meta(ckpt_dir).get("step")},

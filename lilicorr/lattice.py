@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from lilicorr.config import DEFAULT_TREE_NODES
+
 __all__ = [
     "ONNX_DOMAIN",
     "PLUGIN_VERSION",
@@ -39,6 +41,7 @@ __all__ = [
     "fused_match_walk",
     "brute_force_best_path",
     "DraftTree",
+    "DEFAULT_TREE_NODES",
     "tree_size",
     "build_tree",
     "tree_attention",

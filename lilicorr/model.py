@@ -26,6 +26,7 @@ class Proposal:
     cand_ids: torch.Tensor        # [N, S, K] long, top-K pool per slot (rank order)
     anchor_scores: torch.Tensor | None = None   # [N, K]
     pair_scores: torch.Tensor | None = None     # [N, S-1, K, K]
+    tree: "lattice.DraftTree | None" = None     # rule `tree`'s draft tree, when the draft graph builds it
 
 
 class LiLiCorrModel(nn.Module):

@@ -7,7 +7,8 @@ outside the graphs, in a `KVCache` (one slot per sequence, ragged lengths, rollb
                     per-layer K/V [N, h, T, D] -> written to the cache at each row's length
     draft:          anchors, positions, cached K/V [N, h, C, D] + lengths [N], target state
                     --draft graph--> tokens [N, S] (greedy walk), cand_ids [N, S, K],
-                    anchor_scores [N, K], pair_scores [N, S-1, K, K]
+                    anchor_scores [N, K], pair_scores [N, S-1, K, K] and, in engines built with
+                    a tree budget M, rule `tree`'s draft tree (lilicorr::DraftTree) of M nodes
 
 Under ONNX Runtime the draft graph runs as its three parts (`lilicorr.export.split_draft`), one
 session each and each under its own stage of the stage table: backbone -> slot_hidden
@@ -41,13 +42,18 @@ def context_io_names(num_layers: int) -> tuple[list[str], list[str]]:
     return ["captured", "positions"], outs
 
 
-def draft_io_names(num_layers: int, has_head: bool) -> tuple[list[str], list[str]]:
+TREE_OUTPUTS = ("tree_parent", "tree_depth", "tree_cand", "tree_score")   # lilicorr::DraftTree, rule `tree`
+
+
+def draft_io_names(num_layers: int, has_head: bool, tree: bool = False) -> tuple[list[str], list[str]]:
     ins = ["anchor_ids", "anchor_pos", "ctx_lengths"]
     ins += [f"{kv}_{i}" for i in range(num_layers) for kv in ("ctx_k", "ctx_v")]
     outs = ["tokens", "cand_ids"]
     if has_head:
         ins.append("target_state")
         outs += ["anchor_scores", "pair_scores"]
+        if tree:
+            outs += list(TREE_OUTPUTS)
     return ins, outs
 
 
@@ -235,7 +241,10 @@ class GraphDraftRunner(ContextCacheRunner):
             if vit:
                 path = lattice.viterbi(a_s[vit], p_s[vit])                         # [M, S]
                 tokens[vit] = torch.gather(cand_ids[vit], -1, path[..., None]).squeeze(-1)
-        return Proposal(tokens=tokens, cand_ids=cand_ids, anchor_scores=a_s, pair_scores=p_s)
+            tree = None
+            if TREE_OUTPUTS[0] in out:
+                tree = lattice.DraftTree(*(out[name] for name in TREE_OUTPUTS))
+        return Proposal(tokens=tokens, cand_ids=cand_ids, anchor_scores=a_s, pair_scores=p_s, tree=tree)
 
 
 DRAFT_PART_GRAPHS = ("draft_backbone", "draft_lm_head", "draft_head")   # manifest["graphs"] keys

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from lilicorr import checkpoint as ckpt_io
+from lilicorr import lattice as L
 from lilicorr.engine_dir import EngineDirError, make_runner, read_manifest
 from lilicorr.model import untrained_model
 from lilicorr.target import load_target
@@ -73,7 +74,7 @@ def test_manifest_fields(ort_engine, tiny_ckpt, llama_dir):
                            "V": 96, "B": d.block_size, "S": d.block_size - 1, "K": h.top_k,
                            "E": h.embed_dim, "target_layer_ids": d.target_layer_ids}
     assert (m["block_size"], m["top_k"], m["sigma"], m["has_head"]) == (d.block_size, h.top_k, h.sigma, True)
-    assert m["opset"] == 20 and m["onnx"]["custom_ops"] == ["GreedyWalk", "LatticeMatch"]
+    assert m["opset"] == 20 and m["onnx"]["custom_ops"] == ["DraftTree", "GreedyWalk", "LatticeMatch"]
     for tool in ("torch", "onnx", "onnxruntime", "onnxscript", "python"):
         assert m["tools"][tool]
     assert m["created"].endswith("+00:00")
@@ -114,20 +115,25 @@ def test_draft_graph_has_plugin_nodes(ort_engine, tiny_ckpt):
     model = onnx.load(str(ort_engine / "draft.onnx"))
     onnx.checker.check_model(model)
     nodes = {n.op_type: n for n in lilicorr_nodes(model)}
-    assert set(nodes) == {"LatticeMatch", "GreedyWalk"}
+    assert set(nodes) == {"LatticeMatch", "GreedyWalk", "DraftTree"}
     for n in nodes.values():
         attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
         assert n.domain == "lilicorr"
         assert attrs["plugin_namespace"] == b"lilicorr" and attrs["plugin_version"] == b"1"
     sigma = onnx.helper.get_attribute_value(next(a for a in nodes["LatticeMatch"].attribute if a.name == "sigma"))
     assert sigma == pytest.approx(cfg.head.sigma)
-    assert {(f.domain, f.name) for f in model.functions} == {("lilicorr", "LatticeMatch"), ("lilicorr", "GreedyWalk")}
+    num_nodes = onnx.helper.get_attribute_value(next(a for a in nodes["DraftTree"].attribute if a.name == "num_nodes"))
+    assert num_nodes == 16 == read_manifest(ort_engine)["serving"]["tree_nodes"]
+    assert {(f.domain, f.name) for f in model.functions} == {("lilicorr", "LatticeMatch"), ("lilicorr", "GreedyWalk"),
+                                                              ("lilicorr", "DraftTree")}
     # the context graph and the ORT-optimised graphs carry no custom nodes
     for name in ("context.onnx", "draft.ort.onnx"):
         assert not lilicorr_nodes(onnx.load(str(ort_engine / name)))
     inputs = [i.name for i in model.graph.input]
     assert inputs[:3] == ["anchor_ids", "anchor_pos", "ctx_lengths"] and inputs[-1] == "target_state"
-    assert [o.name for o in model.graph.output] == ["tokens", "cand_ids", "anchor_scores", "pair_scores"]
+    assert [o.name for o in model.graph.output] == ["tokens", "cand_ids", "anchor_scores", "pair_scores",
+                                                    "tree_parent", "tree_depth", "tree_cand", "tree_score"]
+    assert read_manifest(ort_engine)["validation"]["draft"]["tree_equal"] is True
 
 
 # ------------------------------------------------------------------------------ runtime
@@ -161,6 +167,10 @@ def test_ort_runner_matches_torch_runner(ort_engine, tiny_ckpt, llama_dir):
         a = ref.draft(slots, anchors, apos, state, rules)
         b = ort.draft(slots, anchors, apos, state, rules)
         assert torch.equal(a.cand_ids, b.cand_ids) and torch.equal(a.tokens, b.tokens), step
+        # the graph's draft tree (lilicorr::DraftTree) is the torch reference's on the graph's scores
+        want = L.build_tree(b.anchor_scores, b.pair_scores, 16)
+        assert a.tree is None and all(torch.equal(x, y) for x, y in zip(
+            (b.tree.parent, b.tree.depth, b.tree.cand), (want.parent, want.depth, want.cand))), step
         assert [ref.context_length(int(s)) for s in slots] == [ort.context_length(int(s)) for s in slots]
         lens = [1, 3, 2]
     ort.free(int(slots[0]))
@@ -185,8 +195,8 @@ def test_draft_parts_cut_at_slot_hidden_and_logits(ort_engine):
         onnx.checker.check_model(proto)
         assert not lilicorr_nodes(proto) and not list(proto.functions)
     head = onnx.load(str(ort_engine / "draft.head.onnx"))
-    assert {n.op_type for n in lilicorr_nodes(head)} == {"LatticeMatch", "GreedyWalk"}
-    assert {f.name for f in head.functions} == {"LatticeMatch", "GreedyWalk"}
+    assert {n.op_type for n in lilicorr_nodes(head)} == {"LatticeMatch", "GreedyWalk", "DraftTree"}
+    assert {f.name for f in head.functions} == {"LatticeMatch", "GreedyWalk", "DraftTree"}
 
 
 def test_ort_stage_table_times_backbone_lm_head_and_head(ort_engine, llama_dir):
@@ -442,12 +452,12 @@ def test_tensorrt_rtx_build_with_plugins_and_functions(tiny_ckpt, llama_dir, tmp
     assert m["backend"] == "tensorrt-rtx" and m["tensorrt"]["module"] == "tensorrt_rtx"
     assert set(plans) == {"context", "draft", "draft_functions"}
     draft, funcs = plans["draft"], plans["draft_functions"]
-    assert draft["use_plugins"] and draft["plugins"] == ["GreedyWalk", "LatticeMatch"]
-    assert sorted(p for _, p in draft["network_plugin_layers"]) == ["GreedyWalk", "LatticeMatch"]
+    assert draft["use_plugins"] and draft["plugins"] == ["DraftTree", "GreedyWalk", "LatticeMatch"]
+    assert sorted(p for _, p in draft["network_plugin_layers"]) == ["DraftTree", "GreedyWalk", "LatticeMatch"]
     assert not funcs["use_plugins"] and funcs["plugins"] == [] and funcs["network_plugin_layers"] == []
     assert plans["context"]["plugins"] == []
     assert draft["compute_capabilities"] == ["SM80", "SM86", "SM89", "SM120"]
-    assert plan_plugins((out / "draft.plan").read_bytes()) == ["GreedyWalk", "LatticeMatch"]
+    assert plan_plugins((out / "draft.plan").read_bytes()) == ["DraftTree", "GreedyWalk", "LatticeMatch"]
     assert plan_plugins((out / "draft.functions.plan").read_bytes()) == []
     assert b"lilicorr" in (out / "draft.plan").read_bytes()
     # the engine dir still runs on CPU through its ONNX graphs

@@ -27,6 +27,8 @@ import string
 from pathlib import Path
 from typing import Any, Mapping
 
+from lilicorr.config import DEFAULT_TREE_NODES
+
 from .launcher import venv_root
 from .protocol import DECODE_RULES, DEFAULT_MAX_PROMPT_BYTES, MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
 
@@ -131,7 +133,7 @@ class ServeOptions:
     device: str = "auto"                # "auto" -> cuda if available else cpu
     dtype: str = ""                     # target dtype; "" -> the engine manifest's serving dtype, else "auto"
     draft_length: str = ""              # "auto", N, or "" -> the manifest's serving choice, else the whole block
-    tree_nodes: int = 16                # rule tree: draft-tree nodes verified per step
+    tree_nodes: int = 0                 # rule tree: draft-tree nodes verified per step (0: the manifest's, else 16)
     cancel_check_ms: int = 20
     pre_instances: int = 1
     post_instances: int = 1
@@ -163,7 +165,8 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "device": opts.device,
         "dtype": opts.dtype or ((spec.manifest or {}).get("serving") or {}).get("dtype") or "auto",
         "draft_length": str(opts.draft_length or ((spec.manifest or {}).get("serving") or {}).get("draft_length") or ""),
-        "tree_nodes": str(opts.tree_nodes),
+        "tree_nodes": str(opts.tree_nodes or ((spec.manifest or {}).get("serving") or {}).get("tree_nodes")
+                          or DEFAULT_TREE_NODES),
         "cancel_check_ms": str(opts.cancel_check_ms),
         "pre_instances": str(opts.pre_instances),
         "post_instances": str(opts.post_instances),
@@ -267,7 +270,7 @@ def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = 
     target_dir = model_path(params, "target_dir", base_dir)
     kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
                                   draft_length=params.get("draft_length") or None,
-                                  tree_nodes=int(params.get("tree_nodes") or 16))
+                                  tree_nodes=int(params.get("tree_nodes") or DEFAULT_TREE_NODES))
     if params.get("engine_dir"):
         kwargs["engine_dir"] = model_path(params, "engine_dir", base_dir)   # the engine names its checkpoint
     elif params.get("ckpt_dir"):
