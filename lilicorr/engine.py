@@ -233,6 +233,20 @@ class SpecEngine:
         return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len, draft_length=draft_length,
                    tree_nodes=tree_nodes)
 
+    def measure_costs(self) -> None:
+        """With auto draft length: measure the verify cost now for every load the engine can see
+        (1..max_batch rows, by the cost model's power-of-two buckets), so that no step waits for a
+        measurement when a new number of rows first appears. A start-up step for servers and
+        benchmarks (several seconds on a CPU); without it each bucket is measured on first use."""
+        if self.cost is None:
+            return
+        rows = 1
+        while True:
+            self.cost.ratios(rows)
+            if rows >= self.max_batch:
+                break
+            rows = min(2 * rows, self.max_batch)
+
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
                       seed: int | None = None, stop_ids=None) -> tuple[list[int], int, float, frozenset]:

@@ -357,6 +357,8 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
             engine.generate([it["ids"] for it in first], min(args.max_tokens, 8), rule=rule,
                             temperature=args.temperature, seed=0, stop_ids=stop_ids)
 
+    engine.measure_costs()      # auto draft length: the verify cost at every load, before any timing
+
     # everything loaded so far is long-lived: keep the cyclic GC from rescanning it mid-run
     # (full collections with torch + tokenizer loaded cost milliseconds, landing in random stages)
     gc.collect()

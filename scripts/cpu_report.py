@@ -28,7 +28,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 MODELS = {"vanilla": "vanilla DFlash (--vanilla)", "lilicorr": "LiLiCorr, joint (full loss)",
-          "nodist": "LiLiCorr without L_dist (Appendix C)", "margin": "LiLiCorr + margin (Appendix G)"}
+          "nodist": "LiLiCorr without L_dist (Appendix C)", "margin": "LiLiCorr + margin (Appendix G)",
+          "distill": "LiLiCorr + self-logit distillation"}
 REPO = Path(__file__).resolve().parents[1]
 COMMITTED_CKPT = "checkpoints/smollm2-{arm}"       # the committed copy of an arm's checkpoint, if any
 STATS = "run_stats.json"

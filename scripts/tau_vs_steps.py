@@ -8,8 +8,8 @@
         --limit 20 --max-tokens 128 --out results/cpu_smollm2_v2/tau_vs_steps
 
 Each arm's folder holds the weights-only snapshots that `train.py --snapshot-every N` keeps
-(step-NNNNN/). The held-out text is the target's own greedy continuation of each evaluation prompt
-(the engine's `ar` rule, cached in OUT.heldout.jsonl); none of these prompts is in the training data.
+(step-NNNNN/); a rerun reuses OUT.json's figures and measures only new snapshots. The held-out text is the target's own greedy continuation of each evaluation prompt
+(the engine's `ar` rule, cached in --heldout); none of these prompts is in the training data.
 
 tau is measured teacher-forced: every completion position is an anchor, the drafter drafts its
 block from the target's features of everything before it (the same features the engine feeds it),
@@ -47,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", required=True, type=Path, help="writes OUT.md, OUT.json, OUT.png")
+    ap.add_argument("--heldout", type=Path, default=None,
+                    help="cache of the held-out greedy text (default OUT.heldout.jsonl; made when absent or stale)")
     args = ap.parse_args(argv)
     arms = {}
     for spec in args.arm:
@@ -73,7 +75,7 @@ def heldout(args, target) -> list[dict]:
     from lilicorr.eval import load_suites
     from lilicorr.tokenizer import Tokenizer
 
-    cache = args.out.with_suffix(".heldout.jsonl")
+    cache = args.heldout or args.out.with_suffix(".heldout.jsonl")
     key = {"prompts": args.prompts, "limit": args.limit, "max_tokens": args.max_tokens}
     if cache.is_file():
         lines = cache.read_text().splitlines()
@@ -118,6 +120,21 @@ def teacher_forced(model, target, rows: list[dict], feats: list[tuple]) -> dict:
     return sums
 
 
+def previous_points(args) -> dict[tuple, list[dict]]:
+    """{(arm, step): points} of an earlier OUT.json made on the same held-out text, so a rerun
+    measures only the snapshots that are new (a snapshot's weights never change)."""
+    try:
+        doc = json.loads(args.out.with_suffix(".json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if [doc.get(k) for k in ("prompts", "limit", "max_tokens")] != [args.prompts, args.limit, args.max_tokens]:
+        return {}
+    out: dict[tuple, list[dict]] = {}
+    for p in doc.get("points", []):
+        out.setdefault((p["arm"], p["step"]), []).append(p)
+    return out
+
+
 def taus(sums: dict[str, float], has_head: bool) -> dict:
     b = max(sums["blocks"], 1.0)
     out = {"argmax": 1 + sums["argmax"] / b, "oracle": 1 + sums["oracle"] / b}
@@ -137,7 +154,14 @@ def main(argv=None) -> int:
     rows = heldout(args, target)
     layer_sets: dict[tuple, list] = {}
     points = []                            # {arm, step, suite, argmax, lilicorr?, oracle}
-    todo = [(arm, step, d) for arm, folder in args.arms.items() for step, d in snapshots(folder)]
+    done = previous_points(args)
+    todo = []
+    for arm, folder in args.arms.items():
+        for step, d in snapshots(folder):
+            if (arm, step) in done:        # measured by an earlier run on the same held-out text
+                points += done[arm, step]
+            else:
+                todo.append((arm, step, d))
     for arm, step, d in tqdm(todo, desc="snapshots"):
         model = load_model(d, target, dtype=torch.float32)
         layers = tuple(model.cfg.drafter.target_layer_ids)
@@ -153,6 +177,7 @@ def main(argv=None) -> int:
         for suite, s in [*sums.items(), ("all", pooled)]:
             points.append({"arm": arm, "step": step, "suite": suite, "blocks": s["blocks"],
                            **taus(s, model.head is not None)})
+    points.sort(key=lambda p: (list(args.arms).index(p["arm"]), p["step"]))
     suites = list(dict.fromkeys(p["suite"] for p in points))
     md = [f"Held-out text: the target's greedy continuations ({args.max_tokens} tokens) of {args.limit} prompts "
           f"per suite ({', '.join(s for s in suites if s != 'all')}); every completion position is an anchor "

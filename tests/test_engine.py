@@ -767,3 +767,23 @@ def test_auto_draft_length_decides_for_the_whole_batch():
     both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, cost, 0.1)
     assert both == [False, False, False, True]            # one row's gain does not pay for four rows
     assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, 0.1) == [True] * 4
+
+
+def test_measure_costs_covers_every_load_before_serving(tiny_target_dir):
+    """`measure_costs` measures the verify cost of every power-of-two bucket up to max_batch once;
+    afterwards steps at any number of rows measure nothing (no request waits for a measurement)."""
+    from lilicorr.costmodel import CostModel
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
+    assert set(engine.cost._ratios) == {1}                      # the start-up measurement at one row
+    engine.measure_costs()
+    want = {CostModel.bucket(r) for r in range(1, engine.max_batch + 1)}
+    assert set(engine.cost._ratios) == want and max(want) >= engine.max_batch
+    measured = dict(engine.cost._ratios)
+    results, _ = run_requests(engine, reqs, runner=runner)
+    assert engine.cost._ratios == measured                     # nothing measured while serving
+    for req, r in zip(reqs, results):
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+    plain = SpecEngine(engine.target, None, max_batch=4)
+    plain.measure_costs()                                       # no auto draft length: nothing to measure
+    assert plain.cost is None

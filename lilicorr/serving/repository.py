@@ -284,6 +284,7 @@ def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = 
         if params.get(key):
             kwargs[key] = int(params[key])
     engine = SpecEngine.from_paths(target_dir, **kwargs)
+    engine.measure_costs()               # auto draft length: measured at start-up, not in a request
     engine.keep_results = False          # a server must not keep every finished sequence
     # the engine clamps max_seq_len to the target's positions and needs room for one block
     limits["max_seq_len"] = int(engine.max_seq_len) - int(getattr(engine, "block_size", 1))
