@@ -11,9 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-
-
 DEFAULT_TREE_NODES = 16     # rule `tree`'s draft-tree node budget M wherever none is given
+
 
 @dataclass
 class DrafterConfig:

@@ -48,6 +48,7 @@ from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REP
                                  file_sha256, portable_path, target_record, write_manifest)
 from lilicorr.head import top_k_candidates
 from lilicorr.ort_runner import TREE_OUTPUTS, context_io_names, draft_io_names, ort_session
+from lilicorr.plugins import OP_NAMES
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD
 
 CONTEXT_ONNX, DRAFT_ONNX = "context.onnx", "draft.onnx"
@@ -489,7 +490,7 @@ def optimize_onnxruntime(src, dst, level: str = ORT_LEVEL) -> None:
 
 
 # ------------------------------------------------------------------------------ tensorrt
-_PLAN_NAME = re.compile(rb"(?<![A-Za-z0-9_(])(LatticeMatchWalk|LatticeMatch|GreedyWalk|DraftTree)(?![A-Za-z0-9_)])")
+_PLAN_NAME = re.compile(rb"(?<![A-Za-z0-9_(])(" + "|".join(OP_NAMES).encode() + rb")(?![A-Za-z0-9_)])")
 
 
 def plan_plugins(plan: bytes) -> list[str]:

@@ -55,11 +55,12 @@ def dflash_terms(slot_logits: torch.Tensor, labels: torch.Tensor, label_mask: to
     w = slot_decay(labels.shape[1], beta, labels.device)[None, :] * label_mask.float()   # [N, S]
     if not 0.0 <= distill <= 1.0:
         raise ValueError(f"distill must be in [0, 1], got {distill}")
-    logp = torch.log_softmax(slot_logits.float(), dim=-1)                                # [N, S, V]
-    ce = -torch.gather(logp, -1, labels.clamp_min(0)[..., None]).squeeze(-1)             # [N, S]
+    ce = F.cross_entropy(slot_logits.float().flatten(0, 1), labels.clamp_min(0).flatten(),
+                         reduction="none").view_as(w)                                    # [N, S]
     if distill > 0:
-        if soft_logprobs is None or soft_logprobs.shape != logp.shape:
+        if soft_logprobs is None or soft_logprobs.shape != slot_logits.shape:
             raise ValueError("distill > 0 needs soft_logprobs shaped like slot_logits")
+        logp = torch.log_softmax(slot_logits.float(), dim=-1)                            # [N, S, V]
         soft = -(soft_logprobs.float().exp() * logp).sum(-1)                             # [N, S]
         ce = (1 - distill) * ce + distill * soft
     normaliser = w.sum() if norm == "token_mean" else label_mask.any(1).float().sum()

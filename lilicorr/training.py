@@ -141,10 +141,12 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
     else:                                  # labels outside the draft vocabulary carry no CE (EAGLE-3)
         draft_labels = drafter.target_to_draft()[labels]                 # [M, S], -1 if absent
         draft_mask = label_mask & (draft_labels >= 0)
+    h_prev = None                                # [M, S, H] the target's state before each label
+    if cfg.loss.distill > 0 or model.head is not None:
+        h_prev = last_hidden[rows[:, None], label_pos - 1].detach()
     soft = None
     if cfg.loss.distill > 0:                     # the target's own distribution over the same rows
         with torch.no_grad():
-            h_prev = last_hidden[rows[:, None], label_pos - 1]                # [M, S, H]
             w = drafter.lm_weight()
             soft = torch.log_softmax(F.linear(h_prev.to(w.dtype), w).float(), -1)  # [M, S, V]
     dflash_sum, dflash_w = dflash_terms(slot_logits, draft_labels, draft_mask, cfg.loss.beta,
@@ -168,13 +170,12 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, cfg.head.sigma)
         z = teacher_forced_scores(anchor_scores, pair_scores, gt_index)           # [M, S, K]
         with torch.no_grad():                                            # q_k of Eq. 4: target logits
-            h_tgt = last_hidden[rows[:, None], label_pos - 1]                # [M, S, H]
             if target_lse is None:
-                tgt_logits = target.lm_head(h_tgt).float()                   # [M, S, V]
+                tgt_logits = target.lm_head(h_prev).float()                   # [M, S, V]
                 cand_logq = torch.gather(torch.log_softmax(tgt_logits, -1), -1, cand_ids)  # [M, S, K]
             else:                                                        # log q_k = w_k . h - logsumexp
                 w = target.lm_head.weight[cand_ids].float()                  # [M, S, K, H]
-                cand_logq = (torch.einsum("mskh,msh->msk", w, h_tgt.float())
+                cand_logq = (torch.einsum("mskh,msh->msk", w, h_prev.float())
                              - target_lse[rows[:, None], label_pos - 1][..., None])        # [M, S, K]
         ce_sum, dist_sum, margin_sum, _ = reranker_terms(z, gt_index, prefix, cand_logq, cfg.loss.rho)
         with torch.no_grad():
