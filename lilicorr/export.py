@@ -31,7 +31,6 @@ import json
 import logging
 import os
 import platform
-import re
 import sys
 import time
 import warnings
@@ -48,7 +47,7 @@ from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REP
                                  file_sha256, portable_path, target_record, write_manifest)
 from lilicorr.head import top_k_candidates
 from lilicorr.ort_runner import TREE_OUTPUTS, context_io_names, draft_io_names, ort_session
-from lilicorr.plugins import OP_NAMES
+from lilicorr.plugins import plan_plugins
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD
 
 CONTEXT_ONNX, DRAFT_ONNX = "context.onnx", "draft.onnx"
@@ -490,19 +489,6 @@ def optimize_onnxruntime(src, dst, level: str = ORT_LEVEL) -> None:
 
 
 # ------------------------------------------------------------------------------ tensorrt
-_PLAN_NAME = re.compile(rb"(?<![A-Za-z0-9_(])(" + "|".join(OP_NAMES).encode() + rb")(?![A-Za-z0-9_)])")
-
-
-def plan_plugins(plan: bytes) -> list[str]:
-    """lilicorr plugins a serialized plan carries: a plan with plugins stores the namespace
-    ("lilicorr\\0") and each plugin's name, in the plugin-creator table ("<namespace>\\0<version>\\0
-    <name>\\0...") or in the plugin layer's record (DraftTree, whose creator has an int field);
-    layer names of an inlined local function ("... (LatticeMatch)]") do not count."""
-    if b"lilicorr\x00" not in plan:
-        return []
-    return sorted({m.group(1).decode() for m in _PLAN_NAME.finditer(plan)})
-
-
 def _inspect_plan(trt, plan: bytes) -> dict | None:
     """Engine-inspector layer info; needs a GPU to deserialize (None here on a CPU-only machine)."""
     import shutil

@@ -21,13 +21,27 @@ The ops (ONNX domain = plugin namespace ``lilicorr``, plugin version ``"1"``):
 from __future__ import annotations
 
 import importlib
+import re
 
 NAMESPACE = "lilicorr"          # ONNX domain == TensorRT plugin namespace
 PLUGIN_VERSION = "1"
 OP_NAMES = ("LatticeMatch", "GreedyWalk", "LatticeMatchWalk", "DraftTree")
 _SUBMODULES = ("triton_kernels", "onnx_functions", "trt_v3", "trt_qdp", "trt_build")
 
-__all__ = ["NAMESPACE", "PLUGIN_VERSION", "OP_NAMES", "require", *_SUBMODULES]
+__all__ = ["NAMESPACE", "PLUGIN_VERSION", "OP_NAMES", "plan_plugins", "require", *_SUBMODULES]
+
+_PLAN_NAME = re.compile(rb"(?<![A-Za-z0-9_(])(" + "|".join(OP_NAMES).encode() + rb")(?![A-Za-z0-9_)])")
+
+
+def plan_plugins(plan: bytes) -> list[str]:
+    """lilicorr plugins a serialized TensorRT plan carries, sorted: a plan with plugins stores the
+    namespace ("lilicorr\\0") and each plugin's name, in the plugin-creator table ("<namespace>\\0
+    <version>\\0<name>\\0...") or in the plugin layer's record (DraftTree, whose creator has an int
+    field); layer names of an inlined local function ("... (LatticeMatch)]") do not count, and
+    LatticeMatch is not counted for LatticeMatchWalk."""
+    if NAMESPACE.encode() + b"\x00" not in plan:
+        return []
+    return sorted({m.group(1).decode() for m in _PLAN_NAME.finditer(plan)})
 
 
 def require(module: str, purpose: str, hint: str = ""):

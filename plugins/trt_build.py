@@ -6,7 +6,7 @@ local functions (``use_plugins=False``; attach them first with
     info = build_engine_from_onnx("drafter.onnx", "drafter.plan", backend="tensorrt-rtx",
                                   use_plugins=True, compute_capabilities=["SM89"])
     info["plugin_layers"]       # [(layer name, plugin name), ...] from the parsed network
-    info["plan_plugin_names"]   # lilicorr op names found in the serialized plan bytes
+    info["plan_plugins"]        # lilicorr plugins found in the serialized plan bytes
 
 TensorRT-RTX builds on a machine without a GPU, for SM80/86/89/120 (not SM90, not CURRENT);
 the default there is all four. Its ONNX parser dlopens ``libtensorrt_rtx.so`` when it creates a
@@ -21,10 +21,10 @@ import os
 import pathlib
 import time
 
-from . import NAMESPACE, OP_NAMES
+from . import NAMESPACE, OP_NAMES, plan_plugins
 from .trt_v3 import load_trt, register_v3_plugins, unregister_v3_plugins
 
-__all__ = ["build_engine_from_onnx", "check_rtx_parser_library", "plan_plugin_names",
+__all__ = ["build_engine_from_onnx", "check_rtx_parser_library",
            "RTX_CPU_COMPUTE_CAPABILITIES"]
 
 RTX_CPU_COMPUTE_CAPABILITIES = ("SM80", "SM86", "SM89", "SM120")
@@ -68,13 +68,6 @@ def check_rtx_parser_library(trt=None, fix: bool = False, search_dirs=None) -> s
                 "call build_engine_from_onnx(..., fix_rtx_symlink=True).")
     raise RuntimeError("libtensorrt_rtx.so.1 not found next to the tensorrt_rtx module; is "
                        "tensorrt-rtx-cu12 installed correctly?")
-
-
-def plan_plugin_names(plan: bytes) -> list[str]:
-    """lilicorr op names stored in a serialized plan (exact names: LatticeMatch is not counted
-    because of LatticeMatchWalk)."""
-    import re
-    return [op for op in OP_NAMES if re.search(re.escape(op.encode()) + rb"(?![A-Za-z0-9_])", plan)]
 
 
 def _input_profile(trt, network, dynamic_dims, profiles) -> dict | None:
@@ -198,7 +191,7 @@ def build_engine_from_onnx(onnx_path, out_path=None, backend: str = "tensorrt",
         "num_layers": network.num_layers,
         "layer_types": layer_types,
         "plugin_layers": plugin_layers,
-        "plan_plugin_names": plan_plugin_names(data),
+        "plan_plugins": plan_plugins(data),
         "plan_has_namespace": NAMESPACE.encode() in data,
         "optimization_profile": shapes or None,
         "parse_s": round(t_parse, 3),

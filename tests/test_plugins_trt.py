@@ -265,7 +265,7 @@ def lattice_onnx(tmp_path_factory):
 @pytest.mark.slow
 def test_rtx_engine_with_v3_plugins_then_local_functions(lattice_onnx, tmp_path):
     trt = _rtx()
-    from lilicorr.plugins import trt_build, trt_v3
+    from lilicorr.plugins import plan_plugins, trt_build, trt_v3
 
     info = trt_build.build_engine_from_onnx(lattice_onnx, tmp_path / "plugins.plan",
                                             backend="tensorrt-rtx", use_plugins=True,
@@ -274,7 +274,7 @@ def test_rtx_engine_with_v3_plugins_then_local_functions(lattice_onnx, tmp_path)
     assert sorted(p for _, p in info["plugin_layers"]) == ["GreedyWalk", "LatticeMatch", "LatticeMatchWalk"]
     assert info["layer_types"] == {"PLUGIN_V3": 3}
     plan = (tmp_path / "plugins.plan").read_bytes()
-    assert set(trt_build.plan_plugin_names(plan)) == {"LatticeMatch", "GreedyWalk", "LatticeMatchWalk"}
+    assert set(plan_plugins(plan)) == {"LatticeMatch", "GreedyWalk", "LatticeMatchWalk"}
     assert b"lilicorr" in plan
 
     info2 = trt_build.build_engine_from_onnx(lattice_onnx, tmp_path / "functions.plan",
@@ -362,7 +362,7 @@ def test_rtx_engine_with_the_draft_tree_plugin_then_its_local_function(tmp_path)
 
     from lilicorr import lattice as L
     from lilicorr.plugins import onnx_functions as OF
-    from lilicorr.plugins import trt_build, trt_v3
+    from lilicorr.plugins import plan_plugins, trt_build, trt_v3
 
     class Tree(torch.nn.Module):
         def forward(self, anchor_scores, pair_scores):
@@ -378,7 +378,7 @@ def test_rtx_engine_with_the_draft_tree_plugin_then_its_local_function(tmp_path)
     info = trt_build.build_engine_from_onnx(path, tmp_path / "plugin.plan", backend="tensorrt-rtx",
                                             use_plugins=True, compute_capabilities=["SM89"])
     assert [p for _, p in info["plugin_layers"]] == ["DraftTree"] and info["size_bytes"] > 0
-    assert trt_build.plan_plugin_names((tmp_path / "plugin.plan").read_bytes()) == ["DraftTree"]
+    assert plan_plugins((tmp_path / "plugin.plan").read_bytes()) == ["DraftTree"]
     info2 = trt_build.build_engine_from_onnx(path, tmp_path / "function.plan", backend="tensorrt-rtx",
                                              use_plugins=False, compute_capabilities=["SM89"])
     assert info2["plugin_layers"] == [] and info2["layer_types"].get("TOPK", 0) > 0

@@ -405,6 +405,37 @@ def test_cli_self_distillation_and_snapshots(target_dir, data_file, tmp_path):
                      "--self-distill", "2", *CLI_SMALL]) == 2
 
 
+def test_cli_init_starts_from_another_checkpoints_weights(target_dir, data_file, tmp_path, capsys):
+    cli = train_cli()
+    base = ["--target", str(target_dir), "--data", str(data_file), *CLI_SMALL]
+    first = tmp_path / "first"
+    assert cli.main([*base, "--out", str(first), "--steps", "2", "--draft-vocab", "40"]) == 0
+    src = ckpt_io.load_checkpoint(first)
+    # a new run from its weights: step 0 of a fresh schedule, the same model, vocabulary and weights;
+    # the run's own --draft-vocab / --drafter-layers give way to the checkpoint's model
+    grown = tmp_path / "grown"
+    assert cli.main([*base, "--out", str(grown), "--steps", "1", "--init", str(first), "--draft-vocab", "64",
+                     "--save-every", "1"]) == 0
+    log = [json.loads(line) for line in Path(f"{grown}.log.jsonl").read_text().splitlines()]
+    assert len(log) == 1
+    out = ckpt_io.load_checkpoint(grown)
+    assert out.meta["step"] == 1 and out.meta["init"] == str(first)
+    assert out.cfg.drafter == src.cfg.drafter and out.cfg.head == src.cfg.head
+    assert out.meta["vocabulary"]["draft_vocab_size"] == 40 and 0 < out.meta["vocabulary"]["draft_coverage"] <= 1
+    assert torch.equal(out.state["drafter.draft_to_target"], src.state["drafter.draft_to_target"])
+    # one step of training moved the loaded weights a little, not from a fresh initialisation
+    w = "drafter.fc.weight"
+    moved = (out.state[w] - src.state[w]).abs().max()
+    assert 0 < moved < 0.1 * src.state[w].abs().max()
+    # the first step's loss is the trained model's, below a fresh model's first step
+    fresh = [json.loads(line) for line in Path(f"{first}.log.jsonl").read_text().splitlines()]
+    assert log[0]["dflash"] < fresh[0]["dflash"]
+    # a vanilla run cannot start from a LiLiCorr checkpoint
+    capsys.readouterr()
+    assert cli.main([*base, "--out", str(tmp_path / "v"), "--steps", "1", "--vanilla", "--init", str(first)]) == 2
+    assert "--vanilla" in capsys.readouterr().err
+
+
 def test_cli_with_offline_feature_store(target_dir, data_file, tmp_path, capsys):
     cli = train_cli()
     feats = tmp_path / "features"

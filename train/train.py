@@ -4,6 +4,8 @@
     torchrun --nproc-per-node 2 train/train.py ...           # data parallel (gloo on CPU, nccl on GPU)
 
 Resumes from --out when it holds a checkpoint of the same config. Checkpoints appear atomically.
+`--init CKPT` starts a new run from another checkpoint's weights (its model config, draft vocabulary
+and mask token; a fresh optimizer and schedule), e.g. to train a drafter on further on new data.
 """
 from __future__ import annotations
 
@@ -67,6 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None,
                    help="cpu | cuda (default: cuda when available; each torchrun rank uses cuda:LOCAL_RANK)")
     p.add_argument("--log", default=None, help="JSONL log of every step (default OUT.log.jsonl)")
+    p.add_argument("--init", default=None, metavar="CKPT",
+                   help="start from this checkpoint's weights (its model config, draft vocabulary and mask "
+                        "token; a fresh optimizer and schedule); ignored when --out resumes")
     return p.parse_args(argv)
 
 
@@ -122,7 +127,8 @@ def main(argv=None) -> int:
         target = load_target(args.target, dtype=torch.float32, device=device)
         cfg = build_config(args, target.config)
         seqs = load_sequences(args.data, cfg.train.seq_len)
-        vocab_info = _choose_vocabulary(args, cfg, target, seqs)
+        init = _init_weights(args.init, cfg, target) if args.init else None
+        vocab_info = _init_vocabulary(init, cfg, seqs) if init else _choose_vocabulary(args, cfg, target, seqs)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
         if args.precision == "auto":
             from lilicorr.target import resolve_dtype
@@ -136,6 +142,9 @@ def main(argv=None) -> int:
         trainer.extra_meta["vocabulary"] = vocab_info
         trainer.extra_meta["precision"] = args.precision
         resumed = trainer.resume(args.out)
+        if init and not resumed:
+            ckpt_io.load_into(trainer.model, init, args.init)
+            trainer.extra_meta["init"] = str(args.init)
     except (FileNotFoundError, ValueError, KeyError, ckpt_io.CheckpointError) as e:
         if dist_info.enabled:
             torch.distributed.destroy_process_group()
@@ -185,6 +194,33 @@ def _snapshot(args, trainer) -> None:
     if args.snapshot_every and step % args.snapshot_every == 0 and not snapshot_dir(args.out, step).exists():
         snapshot_dir(args.out, step).parent.mkdir(parents=True, exist_ok=True)
         trainer.save(snapshot_dir(args.out, step), save_dtype=torch.bfloat16, with_optimizer=False)
+
+
+def _init_weights(path, cfg, target) -> dict:
+    """The fp32 weights of checkpoint `path`, after making `cfg` its model: the checkpoint's drafter
+    (layers, block size, captured layers, draft vocabulary, mask token) and head; the vanilla flag
+    must agree with the run's."""
+    init_cfg, fingerprint = ckpt_io.read_config(path)
+    ckpt_io.check_target(path, fingerprint, target.config)
+    if init_cfg.vanilla != cfg.vanilla:
+        kind = "vanilla DFlash" if init_cfg.vanilla else "LiLiCorr"
+        raise ValueError(f"--init {path} holds a {kind} model: train it with{'' if init_cfg.vanilla else 'out'} --vanilla")
+    cfg.drafter, cfg.head = init_cfg.drafter, init_cfg.head
+    state = ckpt_io.load_state_dict(path)
+    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+
+
+def _init_vocabulary(state: dict, cfg, seqs) -> dict:
+    """What the checkpoint's meta records when the draft vocabulary and mask token come from --init
+    (the draft ids are in the loaded weights); the coverage is over this run's data."""
+    from lilicorr.draft_vocab import coverage, token_counts
+
+    info: dict = {"mask_token_id": cfg.drafter.mask_token_id}
+    if cfg.drafter.draft_vocab_size:
+        counts = token_counts(seqs, cfg.drafter.vocab_size)
+        info.update(draft_vocab_size=cfg.drafter.draft_vocab_size,
+                    draft_coverage=coverage(counts, state["drafter.draft_to_target"]))
+    return info
 
 
 def _choose_vocabulary(args, cfg, target, seqs) -> dict:
