@@ -29,8 +29,9 @@ observed acceptance) give the expected tokens E(L) of verifying L drafts; a `Cos
 this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows N and the drafter's
 cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
-under load speculation degrades to plain decoding. Every choice of L is lossless: verification is
-unchanged, only fewer drafts are checked.
+under load speculation degrades to plain decoding; a new row starts from the acceptance observed
+over all rows so far, so a weak drafter's new rows do not draft by default. Every choice of L is
+lossless: verification is unchanged, only fewer drafts are checked.
 State kept per row after each step: the anchor (last committed token, not yet in the target
 cache) at position p = target cache length, the target features of verified tokens not yet in the
 drafter context, and the captured layers at p-1 (the head's target state).
@@ -205,7 +206,10 @@ class SpecEngine:
             self.cost.ratios(1)                        # the start-up measurement at one row
         # per slot: (observed accepted, predicted) sums that calibrate the walk's probabilities
         self._calib = [[1.0, 1.0] for _ in range(max(self.block_size - 1, 0))]
-        self._prior = [0.6] * max(self.block_size - 1, 0)   # per-slot acceptance before a row has any
+        # per-slot acceptance a new row starts from: every row's verified drafts, a slow running mean
+        # (a weak drafter's new rows start pessimistic instead of drafting until their own history
+        # catches up: under load those first blocks widen every row's verify)
+        self._prior = [0.6] * max(self.block_size - 1, 0)
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -602,6 +606,7 @@ class SpecEngine:
 
     # -- adaptive draft length -----------------------------------------------------------------
     PROBE_EVERY = 16        # a batch that stopped drafting probes about once per this many steps
+    PRIOR_RATE = 0.05       # weight of one verified draft in the acceptance new rows start from
 
     def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float, rows: int) -> str | None:
         """Row `s`'s wish this step: "gain" when its recent acceptance pays for the drafter at
@@ -662,6 +667,7 @@ class SpecEngine:
         for j in range(min(a + 1, n_d)):
             hit = 1.0 if j < a else 0.0
             s.accept_rate[j] = 0.7 * s.accept_rate[j] + 0.3 * hit
+            self._prior[j] = (1 - self.PRIOR_RATE) * self._prior[j] + self.PRIOR_RATE * hit
             if p is not None and p[j] >= 0:
                 c = self._calib[j]
                 c[0], c[1] = 0.98 * c[0] + hit, 0.98 * c[1] + p[j]

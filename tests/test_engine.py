@@ -599,6 +599,31 @@ def test_auto_draft_length_degrades_to_plain_steps_under_cost(tiny_target_dir):
     assert plain >= 0.7 * len(spec_steps), f"{plain} plain steps of {len(spec_steps)}"
 
 
+def test_auto_draft_length_new_rows_start_from_the_observed_acceptance(tiny_target_dir):
+    """Under `auto` a new row's per-slot acceptance starts from what the engine has observed over
+    all rows' verified drafts: below the initial prior for a drafter whose drafts are mostly
+    rejected, higher for one whose drafts are accepted; the outputs stay the target's."""
+    path = tiny_target_dir("llama")
+    priors = {}
+    for high in (False, True):
+        engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", high_accept=high)
+        _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)   # drafting always pays
+        start = list(engine._prior)
+        results, events = run_requests(engine, reqs, runner=runner)
+        for req, r in zip(reqs, results):
+            assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+        drafted = [e for ev in events.values() for e in ev if e.drafted]
+        hits = sum(e.accepted > 1 for e in drafted) / len(drafted)        # slot 1 accepted
+        priors[high] = list(engine._prior)
+        assert engine._prior != start
+        rid = engine.add_request(reqs[0]["prompt"], 4, rule="lilicorr")
+        assert engine._seqs[rid].accept_rate == engine._prior and engine._seqs[rid].accept_rate is not engine._prior
+        engine.cancel(rid)
+        if not high:
+            assert hits < 0.6 and priors[high][0] < start[0]
+    assert priors[True][0] > priors[False][0]
+
+
 def test_draft_length_rejects_bad_values(tiny_target_dir):
     target = target_of(tiny_target_dir("llama"))
     for bad in (0, 9, "fast", -1):
