@@ -19,6 +19,8 @@
 #             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
 #   eval-chat greedy on the general-chat suite (prompts in no training file).
 #   eval-t1   temperature 1 over SEEDS: argmax on the vanilla drafter, lilicorr on the joint one.
+# SEED_DATA (default data/smollm2, committed): gzipped magpie prompts and regen files copied into an
+# empty WORK first, so regen resumes after them instead of starting over (SEED_DATA= to start empty).
 # DTYPE (float32 | bfloat16) is the target's dtype in regen, features and eval; the default is the
 # faster one on this machine (bf16 needs AVX512-BF16 or AMX on a CPU).
 set -euo pipefail
@@ -38,6 +40,16 @@ SEEDS=${SEEDS:-0,1,2}
 phase=${1:-all}
 mkdir -p "$W"
 want() { [[ $phase == "$1" || $phase == all ]]; }
+seed_data() {  # unpack SEED_DATA/*.jsonl.gz into WORK where WORK has no such file yet
+  local src=${SEED_DATA-data/smollm2} f name
+  [[ -n $src && -d $src ]] || return 0
+  for f in "$src"/*.jsonl.gz; do
+    [[ -e $f ]] || continue
+    name=$(basename "$f" .gz)
+    [[ -e $W/$name ]] || { gzip -dc "$f" > "$W/$name.tmp" && mv "$W/$name.tmp" "$W/$name"; }
+  done
+}
+seed_data
 timed() {  # name, command...: run it and append "name<TAB>seconds<TAB>date" to phase-times.tsv
   local t0=$SECONDS; "${@:2}"; printf '%s\t%s\t%s\n' "$1" $((SECONDS - t0)) "$(date -u +%FT%TZ)" >> "$W/phase-times.tsv"
 }

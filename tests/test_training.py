@@ -415,11 +415,13 @@ def test_cli_init_starts_from_another_checkpoints_weights(target_dir, data_file,
     # the run's own --draft-vocab / --drafter-layers give way to the checkpoint's model
     grown = tmp_path / "grown"
     assert cli.main([*base, "--out", str(grown), "--steps", "1", "--init", str(first), "--draft-vocab", "64",
-                     "--save-every", "1"]) == 0
+                     "--save-every", "1", "--snapshot-every", "1"]) == 0
+    # its snapshot is named by total steps: the initial weights' 2 + this run's 1
+    assert [p.name for p in Path(f"{grown}.snapshots").iterdir()] == ["step-00003"]
     log = [json.loads(line) for line in Path(f"{grown}.log.jsonl").read_text().splitlines()]
     assert len(log) == 1
     out = ckpt_io.load_checkpoint(grown)
-    assert out.meta["step"] == 1 and out.meta["init"] == str(first)
+    assert out.meta["step"] == 1 and out.meta["init"] == str(first) and out.meta["init_step"] == 2
     assert out.cfg.drafter == src.cfg.drafter and out.cfg.head == src.cfg.head
     assert out.meta["vocabulary"]["draft_vocab_size"] == 40 and 0 < out.meta["vocabulary"]["draft_coverage"] <= 1
     assert torch.equal(out.state["drafter.draft_to_target"], src.state["drafter.draft_to_target"])

@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     p.add_argument("--snapshot-every", type=int, default=0,
-                   help="also keep a weights-only copy every N steps in OUT.snapshots/step-NNNNN (tau vs steps)")
+                   help="also keep a weights-only copy every N steps in OUT.snapshots/step-NNNNN (tau vs steps; "
+                        "NNNNN counts the --init checkpoint's steps too)")
     p.add_argument("--save-dtype", choices=["float32", "bfloat16"], default="float32",
                    help="dtype of the final weights (optimizer state always float32)")
     p.add_argument("--features", default=None,
@@ -144,7 +145,10 @@ def main(argv=None) -> int:
         resumed = trainer.resume(args.out)
         if init and not resumed:
             ckpt_io.load_into(trainer.model, init, args.init)
+        if init:
             trainer.extra_meta["init"] = str(args.init)
+            # steps the initial weights had: snapshots are named by total steps (init's + this run's)
+            trainer.extra_meta["init_step"] = int(ckpt_io.read_meta(args.init).get("step", 0))
     except (FileNotFoundError, ValueError, KeyError, ckpt_io.CheckpointError) as e:
         if dist_info.enabled:
             torch.distributed.destroy_process_group()
@@ -189,11 +193,13 @@ def snapshot_dir(out, step: int) -> Path:
 
 
 def _snapshot(args, trainer) -> None:
-    """A weights-only checkpoint (no optimizer state) every --snapshot-every steps, kept."""
+    """A weights-only checkpoint (no optimizer state) every --snapshot-every steps, kept; named by
+    total steps when the run started from --init (the initial weights' steps + this run's)."""
     step = trainer.state.step
-    if args.snapshot_every and step % args.snapshot_every == 0 and not snapshot_dir(args.out, step).exists():
-        snapshot_dir(args.out, step).parent.mkdir(parents=True, exist_ok=True)
-        trainer.save(snapshot_dir(args.out, step), save_dtype=torch.bfloat16, with_optimizer=False)
+    path = snapshot_dir(args.out, trainer.extra_meta.get("init_step", 0) + step)
+    if args.snapshot_every and step % args.snapshot_every == 0 and not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        trainer.save(path, save_dtype=torch.bfloat16, with_optimizer=False)
 
 
 def _init_weights(path, cfg, target) -> dict:
