@@ -78,7 +78,7 @@ regen() {
   done
   if [[ -f $W/magpie-prompts.jsonl ]]; then
     "${cap[@]}" python train/regen.py --target "$T" --out "$W/regen-chat.jsonl" --prompts "$W/magpie-prompts.jsonl" \
-      --max-new-tokens "$MAX_NEW" --batch-size 32 --seed 0 --dtype "$DTYPE" --allow-mismatch --no-progress \
+      --num-prompts "$(wc -l < "$W/magpie-prompts.jsonl")" --max-new-tokens "$MAX_NEW" --batch-size 32 --seed 0 --dtype "$DTYPE" --allow-mismatch --no-progress \
       >> "$W/regen-chat.log" 2>&1 &
     pids+=($!)
   fi
