@@ -362,11 +362,14 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_precision(precision: torch.dtype | str | None, device: str | torch.device = "cpu") -> str:
-    """"auto" (or None) -> the fastest serving precision here: bfloat16 on CUDA and on CPUs with native
-    bf16 matmuls; fp16-weights on other CPUs with fbgemm (half the bytes per step, fp32 arithmetic);
-    float32 otherwise. Names in PRECISIONS and torch dtypes pass through (as names)."""
+    """"auto" (or None) -> the serving precision here: bfloat16 on CUDA; on CPUs fp16-weights where
+    fbgemm is available (half the bytes per step, fp32 arithmetic), float32 otherwise. Not bfloat16 on
+    a CPU even with native bf16 matmuls (AMX): its GEMMs round a k-token verify differently from a
+    1-token step, so greedy speculative output could differ from plain greedy decoding on near-ties;
+    ask for bfloat16 explicitly to trade that for speed. Names in PRECISIONS and torch dtypes pass
+    through (as names)."""
     if precision is None or precision == "auto":
-        if str(device).startswith("cuda") or cpu_has_native_bf16():
+        if str(device).startswith("cuda"):
             return "bfloat16"
         from .fp16_linear import fbgemm_fp16_available
         return "fp16-weights" if fbgemm_fp16_available() else "float32"

@@ -22,7 +22,7 @@
 # SEED_DATA (default data/smollm2, committed): gzipped magpie prompts and regen files copied into an
 # empty WORK first, so regen resumes after them instead of starting over (SEED_DATA= to start empty).
 # DTYPE (float32 | bfloat16) is the target's dtype in regen, features and eval; the default is the
-# faster one on this machine (bf16 needs AVX512-BF16 or AMX on a CPU).
+# serving default's arithmetic (float32 on CPUs; DTYPE=bfloat16 is faster where bf16 is native).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

@@ -114,8 +114,9 @@ def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir,
 
 
 def test_precision_names_resolve(monkeypatch):
-    """auto: bf16 on CUDA / native-bf16 CPUs, else fp16-weights where fbgemm has it, else fp32;
-    fp16-weights computes in float32 and is refused on CUDA; unknown names are refused."""
+    """auto: bf16 on CUDA; on CPUs fp16-weights where fbgemm has it, else fp32, also with native bf16
+    (whose verify GEMMs round differently from a plain step); fp16-weights computes in float32 and is
+    refused on CUDA; unknown names are refused."""
     import lilicorr.fp16_linear as fl
     import lilicorr.target as tg
     assert tg.resolve_precision("auto", "cuda") == "bfloat16" and tg.resolve_dtype("auto", "cuda") == torch.bfloat16
@@ -125,7 +126,9 @@ def test_precision_names_resolve(monkeypatch):
     monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: False)
     assert tg.resolve_precision("auto") == "float32"
     monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: True)
-    assert tg.resolve_precision("auto") == "bfloat16"
+    assert tg.resolve_precision("auto") == "float32"
+    monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
+    assert tg.resolve_precision("auto") == "fp16-weights"
     assert tg.resolve_precision(torch.float16) == "float16" and tg.resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="CPU precision"):
         tg.resolve_precision("fp16-weights", "cuda")

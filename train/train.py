@@ -132,8 +132,9 @@ def main(argv=None) -> int:
         vocab_info = _init_vocabulary(init, cfg, seqs) if init else _choose_vocabulary(args, cfg, target, seqs)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
         if args.precision == "auto":
-            from lilicorr.target import resolve_dtype
-            args.precision = "bf16" if resolve_dtype("auto", device) == torch.bfloat16 else "fp32"
+            from lilicorr.target import cpu_has_native_bf16
+            native = str(device).startswith("cuda") or cpu_has_native_bf16()
+            args.precision = "bf16" if native else "fp32"
         bf16 = args.precision == "bf16"
         features = _feature_store(args.features, target, cfg, seqs, dist_info, bf16) if args.features else None
         trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info,
