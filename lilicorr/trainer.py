@@ -200,6 +200,11 @@ class Trainer:
                 "time": time.time(), **self.extra_meta}
         return ckpt_io.save_checkpoint(path or self.out_dir, self.cfg, state, self.target.config, meta, opt)
 
+    def load_weights(self, path) -> None:
+        """The model's weights from checkpoint `path`, as float32 master weights (no optimizer state)."""
+        state = ckpt_io.load_state_dict(path)
+        ckpt_io.load_into(self.model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, path)
+
     def resume(self, path) -> bool:
         """Continue from a checkpoint written by `save` (same config); False if there is none."""
         path = Path(path)
@@ -210,8 +215,7 @@ class Trainer:
         if cfg.to_dict()["drafter"] != self.cfg.to_dict()["drafter"] or cfg.vanilla != self.cfg.vanilla \
                 or cfg.head != self.cfg.head:
             raise ckpt_io.CheckpointError(f"checkpoint {path} has a different model config; use another --out")
-        state = ckpt_io.load_state_dict(path)
-        ckpt_io.load_into(self.model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, path)
+        self.load_weights(path)
         opt_file = path / ckpt_io.OPTIMIZER
         if not opt_file.exists():
             raise ckpt_io.CheckpointError(f"checkpoint {path} has no optimizer state; cannot resume")

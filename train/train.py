@@ -128,8 +128,11 @@ def main(argv=None) -> int:
         target = load_target(args.target, dtype=torch.float32, device=device)
         cfg = build_config(args, target.config)
         seqs = load_sequences(args.data, cfg.train.seq_len)
-        init = _init_weights(args.init, cfg, target) if args.init else None
-        vocab_info = _init_vocabulary(init, cfg, seqs) if init else _choose_vocabulary(args, cfg, target, seqs)
+        if args.init:
+            _init_config(args.init, cfg, target)
+            vocab_info = _init_vocabulary(args.init, cfg, seqs)
+        else:
+            vocab_info = _choose_vocabulary(args, cfg, target, seqs)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
         if args.precision == "auto":
             from lilicorr.target import cpu_has_native_bf16
@@ -144,9 +147,9 @@ def main(argv=None) -> int:
         trainer.extra_meta["vocabulary"] = vocab_info
         trainer.extra_meta["precision"] = args.precision
         resumed = trainer.resume(args.out)
-        if init and not resumed:
-            ckpt_io.load_into(trainer.model, init, args.init)
-        if init:
+        if args.init:
+            if not resumed:
+                trainer.load_weights(args.init)
             trainer.extra_meta["init"] = str(args.init)
             # steps the initial weights had: snapshots are named by total steps (init's + this run's)
             trainer.extra_meta["init_step"] = int(ckpt_io.read_meta(args.init).get("step", 0))
@@ -203,30 +206,27 @@ def _snapshot(args, trainer) -> None:
         trainer.save(path, save_dtype=torch.bfloat16, with_optimizer=False)
 
 
-def _init_weights(path, cfg, target) -> dict:
-    """The fp32 weights of checkpoint `path`, after making `cfg` its model: the checkpoint's drafter
-    (layers, block size, captured layers, draft vocabulary, mask token) and head; the vanilla flag
-    must agree with the run's."""
+def _init_config(path, cfg, target) -> None:
+    """Make `cfg` the model of checkpoint `path` (--init): its drafter (layers, block size, captured
+    layers, draft vocabulary, mask token) and head; the vanilla flag must agree with the run's."""
     init_cfg, fingerprint = ckpt_io.read_config(path)
     ckpt_io.check_target(path, fingerprint, target.config)
     if init_cfg.vanilla != cfg.vanilla:
         kind = "vanilla DFlash" if init_cfg.vanilla else "LiLiCorr"
         raise ValueError(f"--init {path} holds a {kind} model: train it with{'' if init_cfg.vanilla else 'out'} --vanilla")
     cfg.drafter, cfg.head = init_cfg.drafter, init_cfg.head
-    state = ckpt_io.load_state_dict(path)
-    return {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
 
 
-def _init_vocabulary(state: dict, cfg, seqs) -> dict:
+def _init_vocabulary(path, cfg, seqs) -> dict:
     """What the checkpoint's meta records when the draft vocabulary and mask token come from --init
-    (the draft ids are in the loaded weights); the coverage is over this run's data."""
+    (the draft ids are in its weights); the coverage is over this run's data."""
     from lilicorr.draft_vocab import coverage, token_counts
 
     info: dict = {"mask_token_id": cfg.drafter.mask_token_id}
     if cfg.drafter.draft_vocab_size:
         counts = token_counts(seqs, cfg.drafter.vocab_size)
         info.update(draft_vocab_size=cfg.drafter.draft_vocab_size,
-                    draft_coverage=coverage(counts, state["drafter.draft_to_target"]))
+                    draft_coverage=coverage(counts, ckpt_io.load_state_dict(path)["drafter.draft_to_target"]))
     return info
 
 
