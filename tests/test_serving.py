@@ -25,7 +25,7 @@ from lilicorr.serving.benchmark import (add_comparisons, markdown_table, percent
                                         summarize_cell)
 from lilicorr.serving.client import GenerationError, GenerationResult, LiLiCorrClient, run_concurrent
 from lilicorr.serving.engine_loop import EngineLoop, Job
-from lilicorr.serving.launcher import (SHM_BASE_PREFIX, free_port, leftover_shm,
+from lilicorr.serving.launcher import (SHM_BASE_PREFIX, free_port, hide_option_value, leftover_shm,
                                        live_group_members, make_backend_dir, server_env, venv_root)
 from lilicorr.serving.protocol import GenerationParams, Limits, RequestError
 from lilicorr.serving.repository import (EngineSpec, ServeOptions, generate_repository, model_parameters,
@@ -496,6 +496,34 @@ def test_server_env_and_backend_dir(tmp_path):
     assert all((d / n).is_symlink() for n in names)
     ver = f"{sys.version_info.major}.{sys.version_info.minor}"
     assert f"python_backend_stubs/{ver}/" in os.readlink(d / "triton_python_backend_stub")
+
+
+def test_hide_option_value_after_the_options_are_parsed():
+    """The value disappears from /proc/PID/cmdline only once the child runs a second thread (it
+    has read its options by then: the child still sees the value), and only after `prefix`; a
+    process that exits first is reported, not waited on."""
+    child = ("import sys, threading, time\n"
+             "opt = sys.argv[1]\n"                    # parsed before the first thread starts
+             "time.sleep(0.3)\n"
+             "threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+             "sys.stdin.readline()\n"
+             "print(opt, flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", child, "--key=s3cret", "s3cret"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        assert hide_option_value(proc, "--key=", "s3cret", timeout=20)
+        assert time.monotonic() - t0 >= 0.25                # waited for the second thread
+        cmdline = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert cmdline[-3:] == [b"--key=******", b"s3cret", b""]
+        out, _ = proc.communicate("go\n", timeout=20)
+        assert out.strip() == "--key=s3cret"
+    finally:
+        proc.kill()
+        proc.wait()
+    gone = subprocess.Popen([sys.executable, "-c", "pass", "--key=x"])
+    gone.wait()
+    assert not hide_option_value(gone, "--key=", "x", timeout=20)
 
 
 def test_benchmark_summaries(tmp_path):
@@ -1246,6 +1274,10 @@ def test_control_apis_need_the_admin_key(engine_server, good_request, tmp_path, 
         assert c.get_log_settings(headers={GRPC_ADMIN_HEADER: ADMIN_KEY}, as_json=True)["settings"]
         status, text = _http("POST", base + "/v2/repository/index", {}, {"admin-key": ADMIN_KEY})
         assert status == 200 and "lilicorr" in text
+        # ... which local users cannot read off the server's command line
+        cmdline = Path(f"/proc/{engine_server.proc.pid}/cmdline").read_bytes().decode()
+        assert engine_server.admin_key_hidden and ADMIN_KEY not in cmdline
+        assert cmdline.count("admin-key=" + "*" * len(ADMIN_KEY)) == 2
     finally:
         c.close()
     # model configs are readable by any client: no absolute paths of this machine

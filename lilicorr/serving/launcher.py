@@ -21,7 +21,12 @@ only requests carrying the header ``admin-key: <key>`` (HTTP) or the metadata
 ``triton-grpc-protocol-admin-key: <key>`` (gRPC) (Triton's ``--http-restricted-api`` /
 ``--grpc-restricted-protocol``). The key is the operator's
 ``admin_key`` or, by default, a random per-launch secret that only this launcher uses (to drain).
-Both appear in tritonserver's command line, so local users who can read ``/proc`` can see them.
+tritonserver takes the key only as a command-line option, so once the server has parsed its options
+(its first threads start about 0.1 s after exec) the launcher overwrites the key in the server's
+argv with ``*`` (`hide_option_value`, through ``/proc/PID/mem``, which a parent may write): from
+then on ``ps`` and ``/proc/PID/cmdline`` show ``admin-key=****``. Where that is refused (no
+``/proc``, a hardened kernel) it warns that the key stays visible to local users. Start-up checks
+that the server accepts the key, so a server that read its options late fails loudly.
 
 Shutdown (`TritonServer.stop`) drains: it writes ``protocol.SHUTDOWN_FILE`` with a deadline into
 each model directory (the ``lilicorr`` model then refuses new requests and ends running ones at the
@@ -319,6 +324,34 @@ def live_group_members(pgid: int) -> list[int]:
     return out
 
 
+def hide_option_value(proc: subprocess.Popen, prefix: str, value: str, timeout: float = 30.0) -> bool:
+    """Overwrite `value` with '*' wherever `prefix + value` occurs in `proc`'s argv (what ``ps`` and
+    ``/proc/PID/cmdline`` show), once the process has parsed its options: tritonserver parses them
+    first thing in main() and starts its first thread right after. Returns whether it did (False:
+    the process exited, never started a thread within `timeout`, or /proc refused the write)."""
+    task, deadline = Path(f"/proc/{proc.pid}/task"), time.monotonic() + timeout
+    needle = (prefix + value).encode()
+    try:
+        while len(os.listdir(task)) < 2:              # still one thread: options maybe unparsed
+            if proc.poll() is not None or time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        text = Path(f"/proc/{proc.pid}/stat").read_text()
+        fields = text[text.rfind(")") + 2:].split()
+        start, end = int(fields[45]), int(fields[46])    # arg_start, arg_end (proc(5) fields 48, 49)
+        with open(f"/proc/{proc.pid}/mem", "r+b", buffering=0) as mem:
+            mem.seek(start)
+            args = mem.read(end - start)
+            i = args.find(needle)
+            while i >= 0:
+                mem.seek(start + i + len(prefix))
+                mem.write(b"*" * len(value.encode()))
+                i = args.find(needle, i + len(needle))
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 class TritonServer:
     """Context manager around one tritonserver process.
 
@@ -365,6 +398,7 @@ class TritonServer:
         self._log_fh = None
         self._reaper: subprocess.Popen | None = None
         self.killed = False        # stop() had to SIGKILL a server that did not exit by itself
+        self.admin_key_hidden = False   # the key in tritonserver's argv was overwritten after parsing
 
     # ------------------------------------------------------------------ urls
     @property
@@ -455,7 +489,14 @@ class TritonServer:
                                         stdin=subprocess.PIPE, start_new_session=True,
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
+            self.admin_key_hidden = hide_option_value(self.proc, f"{ADMIN_HEADER}=", self.admin_key)
+            if not self.admin_key_hidden and self.admin_key_given and self.proc.poll() is None:
+                print("WARNING: could not hide the admin key in tritonserver's command line: local users "
+                      "who can read /proc can see it", file=sys.stderr, flush=True)
             self.wait_ready()
+            status, body = self._http_post("/v2/repository/index", {}, timeout=10.0, admin=True)
+            if status != 200:
+                raise ServerStartError(f"tritonserver refused the admin key ({status}: {body[:200]})")
         except BaseException:
             self.stop()
             raise
