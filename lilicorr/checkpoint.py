@@ -126,13 +126,20 @@ def check_target(path, fingerprint: dict, target_cfg) -> None:
         raise CheckpointError(f"checkpoint {path} was trained for another target ({detail})")
 
 
-def load_state_dict(path) -> dict[str, torch.Tensor]:
+def load_state_dict(path, names=None) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors, or only those in `names` (a missing one is a CheckpointError)."""
     file = Path(path) / WEIGHTS
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: {WEIGHTS} is missing")
     try:
         with safe_open(str(file), framework="pt") as f:
-            return {k: f.get_tensor(k) for k in f.keys()}
+            keys = list(f.keys())
+            missing = sorted(set(names or ()) - set(keys))
+            if missing:
+                raise CheckpointError(f"checkpoint {path} has no tensor {', '.join(missing)}")
+            return {k: f.get_tensor(k) for k in (names or keys)}
+    except CheckpointError:
+        raise
     except Exception as e:  # safetensors raises several types for truncated / garbage files
         raise CheckpointError(f"checkpoint {path}: {WEIGHTS} is truncated or corrupt ({e})") from e
 

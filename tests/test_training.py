@@ -198,6 +198,11 @@ def test_checkpoint_round_trip(trained, target):
         assert ck.state[k].dtype == v.dtype and torch.equal(ck.state[k], v), k
     model = load_model(path, target)
     assert_same_params(params(model), params(trainer.model))
+    one = sorted(own)[0]                              # reading a subset: those tensors only
+    assert list(ckpt_io.load_state_dict(path, [one])) == [one]
+    assert torch.equal(ckpt_io.load_state_dict(path, [one])[one], own[one])
+    with pytest.raises(ckpt_io.CheckpointError, match="no tensor nope"):
+        ckpt_io.load_state_dict(path, [one, "nope"])
     assert not any(p.requires_grad for p in model.parameters())
 
 

@@ -224,9 +224,10 @@ def _init_vocabulary(path, cfg, seqs) -> dict:
 
     info: dict = {"mask_token_id": cfg.drafter.mask_token_id}
     if cfg.drafter.draft_vocab_size:
+        ids = "drafter.draft_to_target"              # only this tensor: the weights load later
         counts = token_counts(seqs, cfg.drafter.vocab_size)
         info.update(draft_vocab_size=cfg.drafter.draft_vocab_size,
-                    draft_coverage=coverage(counts, ckpt_io.load_state_dict(path)["drafter.draft_to_target"]))
+                    draft_coverage=coverage(counts, ckpt_io.load_state_dict(path, [ids])[ids]))
     return info
 
 
