@@ -7,7 +7,9 @@ exited cleanly (1 otherwise; 2 for bad arguments or an unusable engine directory
 
 The control APIs (model repository, shared memory, logging, trace) need the header
 ``admin-key: KEY``; KEY is ``--admin-key`` (or $LILICORR_ADMIN_KEY), else a random secret of
-this launch, so nobody can load, unload or reconfigure models through the network.
+this launch, so nobody can load, unload or reconfigure models through the network. Prefer the
+environment variable: a key given as ``--admin-key`` stays readable in this process's command line
+(``ps``), while tritonserver's copy is overwritten once the server has read it.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     net.add_argument("--metrics-port", type=int, default=8002)
     net.add_argument("--admin-key", default=os.environ.get("LILICORR_ADMIN_KEY") or None,
                      help="opens the control APIs (model repository, shared memory, logging, trace) to "
-                          "requests with the header 'admin-key: KEY' (default $LILICORR_ADMIN_KEY; without "
-                          "one they are closed to every client)")
+                          "requests with the header 'admin-key: KEY' (default $LILICORR_ADMIN_KEY, which "
+                          "keeps the key out of `ps`; without one they are closed to every client)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--max-batch", type=int, default=32, help="concurrent sequences in the engine")
     eng.add_argument("--max-seq-len", type=int, default=2048, help="prompt + generated tokens per sequence")
