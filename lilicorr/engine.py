@@ -217,10 +217,12 @@ class SpecEngine:
                    max_seq_len: int = 2048, device: str = "cpu", dtype=torch.float32,
                    draft_backend: str = "torch", yarn_factor: float | None = None,
                    untrained_seed: int | None = None, block_size: int | None = None,
-                   draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES) -> "SpecEngine":
+                   draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
+                   batch_invariant: bool | None = None) -> "SpecEngine":
         """Target from an HF folder; drafter+head from a checkpoint, an engine directory (its
-        manifest names the checkpoint and the built graph), or untrained (`untrained_seed`)."""
-        target = load_target(target_dir, dtype=dtype, device=device)
+        manifest names the checkpoint and the built graph), or untrained (`untrained_seed`).
+        `batch_invariant`: `load_target`'s (default: on for bf16 on a CPU)."""
+        target = load_target(target_dir, dtype=dtype, device=device, batch_invariant=batch_invariant)
         if yarn_factor:
             target.enable_yarn(yarn_factor)
         runner = None

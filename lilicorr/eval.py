@@ -428,6 +428,7 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "stop_ids": stop_ids,
             "device": args.device,
             "dtype": engine.target.precision,
+            "batch_invariant": engine.target.batch_invariant,
             "dtype_requested": args.dtype,
             "draft_length": args.draft_length or "block",
             "tree_nodes": args.tree_nodes,

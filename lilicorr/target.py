@@ -22,10 +22,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch_invariant import invariant_attention
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary, with_yarn
 
-__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "resolve_dtype", "resolve_precision",
+__all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "precision_variant", "resolve_dtype",
+           "resolve_precision",
            "PRECISIONS", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
@@ -136,6 +138,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.invariant_attention = False    # batch-invariant mode (lilicorr.batch_invariant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None, layer: int, rows: Any, start: torch.Tensor | None, upto: int) -> torch.Tensor:
@@ -153,8 +156,11 @@ class Attention(nn.Module):
         else:
             cache.write(layer, rows, k, v, start)
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
-                                           enable_gqa=self.n_kv != self.n_head)  # [N, hq, T, D]
+        if self.invariant_attention:
+            y = invariant_attention(q.transpose(1, 2), k, v, mask)                   # [N, hq, T, D]
+        else:
+            y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
+                                               enable_gqa=self.n_kv != self.n_head)  # [N, hq, T, D]
         return self.o_proj(y.transpose(1, 2).reshape(n, t, self.n_head * self.head_dim))
 
 
@@ -190,6 +196,7 @@ class TargetModel(nn.Module):
         super().__init__()
         self.config = cfg
         self.fp16_weights = False           # set by load_target(dtype="fp16-weights")
+        self.batch_invariant = False        # set by load_target: bf16 on a CPU, checked on this machine
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -364,10 +371,10 @@ def cpu_has_native_bf16() -> bool:
 def resolve_precision(precision: torch.dtype | str | None, device: str | torch.device = "cpu") -> str:
     """"auto" (or None) -> the serving precision here: bfloat16 on CUDA; on CPUs fp16-weights where
     fbgemm is available (half the bytes per step, fp32 arithmetic), float32 otherwise. Not bfloat16 on
-    a CPU even with native bf16 matmuls (AMX): its GEMMs round a k-token verify differently from a
-    1-token step, so greedy speculative output could differ from plain greedy decoding on near-ties;
-    ask for bfloat16 explicitly to trade that for speed. Names in PRECISIONS and torch dtypes pass
-    through (as names)."""
+    a CPU even with native bf16 matmuls (AMX): there a plain step measured 1.3-1.5x slower than
+    fp16-weights and an 8-token verify no faster (results/verify_cost_amx.md). bfloat16 asked for
+    explicitly is lossless too: on a CPU it loads batch-invariant (`load_target`). Names in
+    PRECISIONS and torch dtypes pass through (as names)."""
     if precision is None or precision == "auto":
         if str(device).startswith("cuda"):
             return "bfloat16"
@@ -382,6 +389,16 @@ def resolve_precision(precision: torch.dtype | str | None, device: str | torch.d
     return precision
 
 
+def precision_variant(spec: str) -> tuple[str, bool | None]:
+    """A precision as benchmark scripts write it -> (dtype for `load_target`, its batch_invariant):
+    "NAME" keeps load_target's default, "NAME:plain" asks for PyTorch's own kernels (bf16 on a
+    CPU is otherwise batch-invariant)."""
+    name, _, variant = spec.partition(":")
+    if variant not in ("", "plain"):
+        raise ValueError(f"precision {spec!r}: the only variant is NAME:plain (PyTorch's own kernels)")
+    return name, (False if variant else None)
+
+
 def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype of the target's activations (and non-matrix weights) under `resolve_precision`:
     fp16-weights computes in float32."""
@@ -390,10 +407,14 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device = 
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
-                yarn_factor: float | None = None) -> TargetModel:
+                yarn_factor: float | None = None, batch_invariant: bool | None = None) -> TargetModel:
     """Load an HF folder (config.json + safetensors, single file or sharded) as a frozen TargetModel.
     dtype is a torch dtype, a name in PRECISIONS or "auto" (`resolve_precision`); the model's
-    `precision` attribute records the resolved name."""
+    `precision` attribute records the resolved name. `batch_invariant` (default: bf16 on a CPU)
+    switches on `lilicorr.batch_invariant`'s mode, so a k-token verify decides as k one-token steps
+    would; it is checked on this machine's kernels first, and a bf16 target whose kernels fail the
+    check keeps PyTorch's own (with a warning: greedy speculative output may then differ from plain
+    greedy decoding on near-ties)."""
     path = Path(path)
     cfg = TargetConfig.from_hf_dir(path)
     precision = resolve_precision(dtype, device)
@@ -414,4 +435,34 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
         from .fp16_linear import use_fp16_weights
         use_fp16_weights(model)
         model.fp16_weights = True
+    if batch_invariant is None:
+        batch_invariant = precision == "bfloat16" and torch.device(device).type == "cpu"
+    if batch_invariant:
+        _make_batch_invariant(model)
     return model.eval()
+
+
+def _make_batch_invariant(model: TargetModel) -> None:
+    """Switch on batch-invariant mode where this machine's kernels pass the check; else warn and
+    keep PyTorch's kernels (`model.batch_invariant` records which)."""
+    import warnings
+
+    from .batch_invariant import check_batch_invariant, use_batch_invariant
+
+    if model.embed_tokens.weight.device.type != "cpu":
+        raise ValueError("batch-invariant mode is for CPU targets")
+    linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+    use_batch_invariant(model)
+    failures = check_batch_invariant(model)
+    if failures:
+        for name, linear in linears.items():            # back to the plain modules and SDPA
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, linear)
+        for m in model.modules():
+            if isinstance(m, Attention):
+                m.invariant_attention = False
+        warnings.warn(f"{model.precision} kernels on this machine are not batch-invariant ({failures[0]}"
+                      f"{f' and {len(failures) - 1} more' if len(failures) > 1 else ''}): greedy speculative "
+                      "output may differ from plain greedy decoding on near-ties; float32 or fp16-weights "
+                      "keep it equal", RuntimeWarning, stacklevel=3)
+    model.batch_invariant = not failures

@@ -99,7 +99,7 @@ from lilicorr.features import FeatureStore, build_feature_store
 from lilicorr.target import load_target
 from lilicorr.training import load_sequences
 target_dir, work, workers, files = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
-t = load_target(target_dir, dtype=os.environ["DTYPE"])
+t = load_target(target_dir, dtype=os.environ["DTYPE"], batch_invariant=False)   # features only
 cfg = preset("cpu"); cfg.drafter = cfg.drafter.for_target(t.config)
 seqs = load_sequences(files, cfg.train.seq_len)
 try:

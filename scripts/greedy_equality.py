@@ -7,7 +7,9 @@
 
 For each precision the same engine decodes every prompt with rule `ar` (one token per step) and with
 `lilicorr` (whole-block verify) at batch 1 and at batch `--batch`, and counts the prompts whose
-token sequences are equal. Writes OUT.md and OUT.json.
+token sequences are equal. A precision written NAME:plain keeps PyTorch's own kernels where
+`load_target` would switch on batch-invariant mode (bf16 on a CPU; `lilicorr.batch_invariant`).
+Writes OUT.md and OUT.json.
 """
 from __future__ import annotations
 
@@ -36,25 +38,29 @@ def main(argv=None) -> int:
 
     from lilicorr.engine import SpecEngine
     from lilicorr.eval import load_suites
+    from lilicorr.target import precision_variant
     from lilicorr.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
     tok = Tokenizer.from_dir(args.target)
     prompts = [p["ids"] for ps in load_suites(args.prompts, tok, args.limit).values() for p in ps]
     rows = []
-    for dtype in args.dtypes.split(","):
-        engine = SpecEngine.from_paths(args.target, args.ckpt, max_batch=args.batch, dtype=dtype)
+    for spec in args.dtypes.split(","):
+        dtype, invariant = precision_variant(spec)
+        engine = SpecEngine.from_paths(args.target, args.ckpt, max_batch=args.batch, dtype=dtype,
+                                       batch_invariant=invariant)
+        kernels = "batch-invariant" if engine.target.batch_invariant else "PyTorch's"
         ar = engine.generate(prompts, args.max_tokens, rule="ar")
         for batch in sorted({1, args.batch}):
             equal = 0
             for i in range(0, len(prompts), batch):
                 spec = engine.generate(prompts[i: i + batch], args.max_tokens, rule="lilicorr")
                 equal += sum(a.tokens == s.tokens for a, s in zip(ar[i: i + batch], spec))
-            rows.append({"dtype": dtype, "batch": batch,
+            rows.append({"dtype": dtype, "kernels": kernels, "batch": batch,
                          "equal": equal, "prompts": len(prompts)})
             print(rows[-1], flush=True)
-    table = ["| target precision | batch | lilicorr == ar |", "|---|---:|---:|"]
-    table += [f"| {r['dtype']} | {r['batch']} | {r['equal']} / {r['prompts']} |" for r in rows]
+    table = ["| target precision | kernels | batch | lilicorr == ar |", "|---|---|---:|---:|"]
+    table += [f"| {r['dtype']} | {r['kernels']} | {r['batch']} | {r['equal']} / {r['prompts']} |" for r in rows]
     body = (f"Greedy, {len(prompts)} prompts of {args.prompts}, up to {args.max_tokens} new tokens, checkpoint "
             f"`{args.ckpt}`, {args.threads} thread(s).\n\n" + "\n".join(table) + "\n")
     print(write_report(args.out, "scripts/greedy_equality.py", argv, "Greedy speculative output against plain "

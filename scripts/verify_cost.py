@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Measure the target's verify cost t(k)/t(1), k = 1..16, per precision (fp32, bf16, fp16-weights)
-at 1 and 2 threads.
+"""Measure the target's verify cost t(k)/t(1), k = 1..16, per precision (fp32, bf16, fp16-weights;
+bf16 on a CPU runs batch-invariant, `bfloat16:plain` with PyTorch's own kernels) at 1 and 2 threads.
 
     python scripts/verify_cost.py --target .cache/smollm2-135m-instruct-float32 \\
         --out results/verify_cost_cpu --rows 1
@@ -25,7 +25,7 @@ import torch
 
 from lilicorr.costmodel import measure_forward_times
 from lilicorr.results_io import save_figure
-from lilicorr.target import load_target
+from lilicorr.target import load_target, precision_variant
 
 
 def cpu_flags() -> list[str]:
@@ -65,13 +65,17 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=200, help="cached tokens per row")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=4, help="forwards per k per round")
-    p.add_argument("--dtypes", default="float32,bfloat16,fp16-weights", help="target precisions (PRECISIONS)")
+    p.add_argument("--dtypes", default="float32,bfloat16,fp16-weights",
+                   help="target precisions (PRECISIONS; NAME:plain keeps PyTorch's own kernels, see lilicorr.batch_invariant)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--note", default="", help="free text for the results file (e.g. 'machine shared')")
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
     threads = [int(t) for t in args.threads.split(",")]
-    targets = {d: load_target(args.target, dtype=d) for d in dtypes}
+    targets = {}
+    for d in dtypes:                 # NAME:plain = PyTorch's own kernels (bf16 on a CPU is batch-invariant)
+        name, invariant = precision_variant(d)
+        targets[d] = load_target(args.target, dtype=name, batch_invariant=invariant)
     ks = range(1, args.max_k + 1)
     per_round: dict[tuple[str, int], list[dict[int, float]]] = {(d, t): [] for d in dtypes for t in threads}
     for r in range(args.rounds):

@@ -681,9 +681,10 @@ def test_bf16_speculative_agrees_with_ar_up_to_near_ties(tiny_target_dir, family
     rounding, and the two roundings can each move a logit by one representable step, in opposite
     directions for the two tokens: a flip needs a gap of at most two steps. A larger gap would be a
     real disagreement (a wrong cache row, mask or position), not rounding. Observed here: gaps of
-    0 (exact bf16 ties) or 1 ulp. The fp32 tests above keep exact equality."""
+    0 (exact bf16 ties) or 1 ulp. The fp32 tests above keep exact equality, and so does bf16 in
+    batch-invariant mode (the default on CPUs, below); this test runs PyTorch's own kernels."""
     path = tiny_target_dir(family)
-    target = load_target(path, dtype=torch.bfloat16)
+    target = load_target(path, dtype=torch.bfloat16, batch_invariant=False)      # PyTorch's kernels
     vocab, block, n_new = target.config.vocab_size, 8, 40
     prompts = random_prompts((3, 11, 5, 17, 8, 2), vocab, seed=7)
 
@@ -738,7 +739,7 @@ def test_bf16_speculative_agrees_with_ar_up_to_near_ties(tiny_target_dir, family
 
 
 # ---------------------------------------------------------------------------------- fp16 weights
-def _fp16_weights_lossless(target, prompts, n_new: int, block: int, seed: int):
+def _lossless_runs(target, prompts, n_new: int, block: int, seed: int):
     """Greedy `ar` of `target`, then every speculative rule with scripted drafts along it (mostly
     accepted, some slots corrupted), all requests batched: (requests, results, ar outputs)."""
     vocab = target.config.vocab_size
@@ -753,6 +754,16 @@ def _fp16_weights_lossless(target, prompts, n_new: int, block: int, seed: int):
     return reqs, results, ar
 
 
+def _assert_speculative_equals_ar(target) -> None:
+    """Every speculative rule's greedy output is `ar`'s token for token, tau > 1.5."""
+    prompts = random_prompts(PROMPT_LENS, target.config.vocab_size, seed=5)
+    reqs, results, ar = _lossless_runs(target, prompts, n_new=24, block=8, seed=2)
+    for req, r in zip(reqs, results):
+        assert r.tokens == ar[req["key"]][:24], f"{req['rule']} request {req['key']} differs from ar"
+    tau = sum(r.accepted_tokens for r in results) / sum(r.num_steps for r in results)
+    assert tau > 1.5, f"tau {tau:.2f}: the k-token verify path is barely exercised"
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fp16_weights_speculative_equals_ar(tiny_target_dir, family):
     """With the target as fp16-weights (fp16 weight matrices, fp32 arithmetic) a k-token verify and
@@ -761,12 +772,21 @@ def test_fp16_weights_speculative_equals_ar(tiny_target_dir, family):
     acceptance exercised (tau > 1.5)."""
     target = load_target(tiny_target_dir(family), dtype="fp16-weights")
     assert target.precision == "fp16-weights"
-    prompts = random_prompts(PROMPT_LENS, target.config.vocab_size, seed=5)
-    reqs, results, ar = _fp16_weights_lossless(target, prompts, n_new=24, block=8, seed=2)
-    for req, r in zip(reqs, results):
-        assert r.tokens == ar[req["key"]][:24], f"{req['rule']} request {req['key']} differs from ar"
-    tau = sum(r.accepted_tokens for r in results) / sum(r.num_steps for r in results)
-    assert tau > 1.5, f"tau {tau:.2f}: the k-token verify path is barely exercised"
+    _assert_speculative_equals_ar(target)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_batch_invariant_speculative_equals_ar(tiny_target_dir, family):
+    """With the target in bf16 on a CPU, in batch-invariant mode (`lilicorr.batch_invariant`, on by
+    default where this machine's kernels pass its check), greedy output of every speculative rule
+    equals greedy `ar` of the same bf16 target token for token, with multi-token acceptance
+    exercised (tau > 1.5); the fp16-weights test's drafts and checks. Where the kernels fail the
+    check there is nothing to test here: `test_bf16_speculative_agrees_with_ar_up_to_near_ties`
+    covers PyTorch's own kernels."""
+    target = load_target(tiny_target_dir(family), dtype="bfloat16")
+    if not target.batch_invariant:
+        pytest.skip("this machine's bf16 kernels are not batch-invariant (load_target warned)")
+    _assert_speculative_equals_ar(target)
 
 
 @pytest.mark.slow
@@ -774,7 +794,7 @@ def test_smollm2_fp16_weights_speculative_equals_ar(smollm2_dir):
     """The same on SmolLM2-135M-Instruct with chat prompts (the precision `auto` serves on CPUs
     without native bf16)."""
     target = load_target(smollm2_dir, dtype="fp16-weights")
-    reqs, results, ar = _fp16_weights_lossless(target, _smollm2_prompts(smollm2_dir), n_new=20, block=8, seed=4)
+    reqs, results, ar = _lossless_runs(target, _smollm2_prompts(smollm2_dir), n_new=20, block=8, seed=4)
     for req, r in zip(reqs, results):
         assert r.tokens == ar[req["key"]][:20], f"{req['rule']} request {req['key']} differs from ar"
 

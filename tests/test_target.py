@@ -68,12 +68,14 @@ BF16_EPS = 2.0 ** -8          # relative spacing of bfloat16 numbers (8 signific
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("llama", {}), ("qwen2", {"tie_word_embeddings": True})])
 @torch.no_grad()
 def test_bf16_weights_give_fp32_logits(tiny_target_dir, family, overrides):
-    """In bf16 the model runs the same arithmetic as transformers in bf16: the logits agree to one
-    bf16 step at the largest logit (they are equal in practice; the step leaves room for a different
-    reduction order). Against fp32 the bf16 error is a property of the dtype, not a tolerance: it
-    must be no larger than transformers' own bf16 error, plus that step."""
+    """In bf16 with PyTorch's kernels the model runs the same arithmetic as transformers in bf16: the
+    logits agree to one bf16 step at the largest logit (they are equal in practice; the step leaves
+    room for a different reduction order). Against fp32 the bf16 error is a property of the dtype,
+    not a tolerance: it must be no larger than transformers' own bf16 error, plus that step; the
+    same holds for the batch-invariant kernels (the default for bf16 on a CPU), which round in
+    other places."""
     path = tiny_target_dir(family, **overrides)
-    ours, ref = load_target(path, dtype="bfloat16"), _hf(path, torch.bfloat16)
+    ours, ref = load_target(path, dtype="bfloat16", batch_invariant=False), _hf(path, torch.bfloat16)
     assert ours.embed_tokens.weight.dtype == torch.bfloat16
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     out = ours(ids, _positions(2, 9))
@@ -82,10 +84,12 @@ def test_bf16_weights_give_fp32_logits(tiny_target_dir, family, overrides):
     fp32 = load_target(path)(ids, _positions(2, 9)).logits
     step = BF16_EPS * float(fp32.abs().max())
     assert float((out.logits - ref16).abs().max()) <= step, (out.logits - ref16).abs().max()
-    ours_err = float((out.logits - fp32).abs().max())
     ref_err = float((ref16 - fp32).abs().max())
-    assert ours_err <= ref_err + step, (ours_err, ref_err)
     assert ref_err > 0                     # bf16 really ran (fp32 would match exactly)
+    invariant = load_target(path, dtype="bfloat16")
+    for model in (ours, invariant):
+        err = float((model(ids, _positions(2, 9)).logits - fp32).abs().max())
+        assert err <= ref_err + step, (model.batch_invariant, err, ref_err)
 
 
 @pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("llama", {"tie_word_embeddings": True}),
@@ -115,8 +119,8 @@ def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir,
 
 def test_precision_names_resolve(monkeypatch):
     """auto: bf16 on CUDA; on CPUs fp16-weights where fbgemm has it, else fp32, also with native bf16
-    (whose verify GEMMs round differently from a plain step); fp16-weights computes in float32 and is
-    refused on CUDA; unknown names are refused."""
+    (slower than fp16-weights where measured); fp16-weights computes in float32 and is refused on
+    CUDA; unknown names are refused; NAME:plain asks for PyTorch's own kernels."""
     import lilicorr.fp16_linear as fl
     import lilicorr.target as tg
     assert tg.resolve_precision("auto", "cuda") == "bfloat16" and tg.resolve_dtype("auto", "cuda") == torch.bfloat16
@@ -134,6 +138,10 @@ def test_precision_names_resolve(monkeypatch):
         tg.resolve_precision("fp16-weights", "cuda")
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         tg.resolve_precision("int8")
+    assert tg.precision_variant("bfloat16") == ("bfloat16", None)
+    assert tg.precision_variant("bfloat16:plain") == ("bfloat16", False)
+    with pytest.raises(ValueError, match="only variant"):
+        tg.precision_variant("bfloat16:fast")
 
 
 def _greedy_full(model, ids: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
@@ -217,6 +225,83 @@ def test_truncate_rollback_then_redecode_equals_fresh_run(tiny_target_dir):
     _close(out.logits[0], ref0)
     _close(out.logits[1], ref1)
     assert cache.lengths[rows].tolist() == [10, 12]
+
+
+@torch.no_grad()
+def test_invariant_attention_is_attention():
+    """`invariant_attention` computes scaled_dot_product_attention's function: grouped-query heads,
+    ragged rows with padded keys, a draft-tree mask, the no-cache causal [T, T] mask, and more
+    queries than one GEMM takes (chunks); to float32 rounding in fp32, to bf16 rounding in bf16."""
+    import torch.nn.functional as F
+
+    from lilicorr.batch_invariant import ROWS, invariant_attention
+    from lilicorr.target import attention_mask
+    g = torch.Generator().manual_seed(0)
+    n, hq, hkv, d = 2, 6, 2, 16
+    start = torch.tensor([7, 3])
+    tree = torch.tril(torch.randint(0, 2, (n, 5, 5), generator=g).bool()) | torch.eye(5, dtype=torch.bool)
+    cases = [(t, *attention_mask(start, t, torch.float32, "cpu")) for t in (1, 5, ROWS)]
+    cases.append((5, *attention_mask(start, 5, torch.float32, "cpu", tree=tree)))
+    cases.append((9, *attention_mask(None, 9, torch.float32, "cpu")))
+    for t, mask, upto in cases:
+        q = torch.randn(n, hq, t, d, generator=g)
+        k, v = torch.randn(2, n, hkv, upto, d, generator=g)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        _close(invariant_attention(q, k, v, mask), want)
+        q16, k16, v16 = q.bfloat16(), k.bfloat16(), v.bfloat16()
+        got16 = invariant_attention(q16, k16, v16, mask.bfloat16())
+        want16 = F.scaled_dot_product_attention(q16.float(), k16.float(), v16.float(), attn_mask=mask, enable_gqa=True)
+        assert got16.dtype == torch.bfloat16
+        assert float((got16.float() - want16).abs().max()) <= 4 * BF16_EPS * float(want16.abs().max()), t
+
+
+def test_batch_invariance_check_detects_a_batch_dependent_kernel():
+    """The check compares each row of an M-row call with that row computed alone: a row-wise
+    function passes, one that mixes rows (here: centring over the batch) fails."""
+    from lilicorr.batch_invariant import _rows_alone_equal
+    x = torch.randn(8, 5, generator=torch.Generator().manual_seed(0))
+    assert _rows_alone_equal(lambda a: a * 2 + 1, x)
+    assert not _rows_alone_equal(lambda a: a - a.mean(0, keepdim=True), x)
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {"tie_word_embeddings": True}), ("qwen3", {})])
+@torch.no_grad()
+def test_bf16_on_cpu_is_batch_invariant(tiny_target_dir, family, overrides):
+    """bf16 on a CPU loads in batch-invariant mode once this machine's kernels pass the check: every
+    linear an InvariantLinear on the same parameters (a tied embedding stays tied), attention the
+    invariant one. Then each token's logits are bit-identical whether it is verified in one forward
+    with the rest of its block, next to other rows, or decoded one token per forward. Where the
+    check fails the model keeps PyTorch's kernels and says so. Other precisions are untouched."""
+    import warnings
+
+    from lilicorr.batch_invariant import InvariantLinear
+    path = tiny_target_dir(family, **overrides)
+    assert not load_target(path).batch_invariant and not load_target(path, dtype="fp16-weights").batch_invariant
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = load_target(path, dtype="bfloat16")
+    linears = [m for m in model.modules() if isinstance(m, InvariantLinear)]
+    if not model.batch_invariant:
+        assert any("not batch-invariant" in str(w.message) for w in caught)
+        assert not linears and not model.layers[0].self_attn.invariant_attention
+        return
+    assert not [w for w in caught if "batch-invariant" in str(w.message)]
+    assert len(linears) == 4 * len(model.layers) + 1 and model.layers[0].self_attn.invariant_attention
+    assert (model.lm_head.weight is model.embed_tokens.weight) == bool(overrides.get("tie_word_embeddings"))
+    g = torch.Generator().manual_seed(5)
+    prompts = torch.randint(4, model.config.vocab_size, (3, 6), generator=g)
+    block = torch.randint(4, model.config.vocab_size, (3, 8), generator=g)
+    cache = model.new_cache(num_slots=3, capacity=32)
+    rows = torch.tensor([cache.allocate() for _ in range(3)])
+    model(prompts, _positions(3, 6), cache=cache, rows=rows, logits=False)
+    together = model(block, 6 + _positions(3, 8), cache=cache, rows=rows).logits       # [3, 8, V]
+    for i in range(3):
+        alone = model.new_cache(num_slots=1, capacity=32)
+        r = torch.tensor([alone.allocate()])
+        model(prompts[i:i + 1], _positions(1, 6), cache=alone, rows=r, logits=False)
+        for j in range(8):
+            step = model(block[i:i + 1, j:j + 1], torch.tensor([[6 + j]]), cache=alone, rows=r).logits
+            assert torch.equal(step[0, 0], together[i, j]), (i, j)
 
 
 def test_kv_cache_pool_and_errors():

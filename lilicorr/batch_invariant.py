@@ -1,0 +1,168 @@
+"""Batch-invariant bf16 for the target on CPUs: a token's logits do not depend on how many tokens
+share its forward, so a k-token verify decides exactly as k one-token steps would.
+
+Why: greedy speculative decoding is lossless only if the verify forward over [anchor, drafts]
+picks the same argmax at each position as plain decoding, one token per forward, would. In float32
+and fp16-weights the two differ by float32 rounding (no near-tie flipped in our checks); in bf16 on
+a CPU with AMX they did not agree (results/greedy_equality_cpu.md: 6 of 8 prompts), because
+PyTorch's CPU kernels are not batch-invariant:
+
+* `scaled_dot_product_attention` gives a query a different result when it shares the call with
+  other queries (its blocking over queries and keys changes the order of the sums);
+* the GEMMs switch kernels with the number of rows M: on an AMX Xeon every row of a bf16
+  [M, K] x [K, N] product equals that row computed alone for M <= 32, and not for M >= 48; an fp32
+  product gives the same rows for every M >= 2, and M = 1 (a matrix-vector kernel) differs.
+
+So in this mode (`use_batch_invariant`):
+
+* every linear layer multiplies at most `ROWS` rows at a time (rows of a longer input go through in
+  chunks of `ROWS`; each chunk's rows equal the rows computed alone);
+* attention is written out (`invariant_attention`) in float32 (bf16 products are exact there):
+  scores q k^T, softmax, and the product with V as a sum over blocks of `KEY_BLOCK` keys at fixed
+  key offsets, added in block order. A GEMM's reduction order depends on its inner size, and a
+  query verified with others sees its row's keys padded to the longest query's: within the block
+  holding its last key the padding has probability exactly 0, and later blocks add exactly 0, so
+  its sums are those of the query alone. The query heads that share a key/value head are rows of
+  one GEMM (grouped-query attention without copying K/V), at least 2 and at most `ROWS` of them.
+
+Everything else in the target (RMSNorm, RoPE, SwiGLU, residual adds) is elementwise per token.
+Whether the kernels of *this* machine keep the property is measured, not assumed:
+`check_batch_invariant(model)` runs the model's own linear layers and the attention on random
+inputs at every row count up to `ROWS` and compares each row with the row computed alone;
+where it fails, `load_target` keeps PyTorch's kernels and warns. The mode costs about 10% of a
+bf16 step (results/verify_cost_amx.md).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROWS = 32        # rows per GEMM in batch-invariant mode (the check covers 1..ROWS)
+KEY_BLOCK = 128  # keys per block of the attention's product with V (blocks at fixed key offsets)
+
+
+class InvariantLinear(nn.Module):
+    """An `nn.Linear` (same parameters, shared) that multiplies at most `ROWS` rows per GEMM."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight                      # [O, I], shared (a tied embedding stays tied)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])                                      # [M, I]
+        if flat.shape[0] <= ROWS:
+            y = F.linear(flat, self.weight, self.bias)
+        else:
+            y = torch.cat([F.linear(flat[i:i + ROWS], self.weight, self.bias)
+                           for i in range(0, flat.shape[0], ROWS)])
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows per GEMM<={ROWS}"
+
+
+def _two_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., M, K]: with M == 1, a zero row appended (an fp32 GEMM of one row takes a
+    matrix-vector kernel that rounds differently); else x."""
+    return torch.cat([x, torch.zeros_like(x)], dim=-2) if x.shape[-2] == 1 else x
+
+
+def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """q [N, hq, T, D], k/v [N, hkv, S, D] (hq a multiple of hkv), additive mask [N|1, 1, T, S] or
+    [T, S] -> softmax(q k^T / sqrt(D) + mask) v [N, hq, T, D] in q's dtype, in float32 throughout:
+    the rep query heads that share a key/value head times a chunk of queries are the rows of one
+    GEMM (at least 2, at most `ROWS`); keys are padded to whole blocks of `KEY_BLOCK` (masked), and
+    the product with V is a sum over those blocks in block order, so a query's sums never depend
+    on how many keys its row was padded to."""
+    n, hq, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    rep = hq // hkv
+    if mask.dim() == 2:
+        mask = mask[None, None]
+    blocks = -(-s // KEY_BLOCK)
+    padded = blocks * KEY_BLOCK
+    k32 = k.new_zeros((n, hkv, padded, d), dtype=torch.float32)
+    v32 = torch.zeros_like(k32)
+    k32[:, :, :s], v32[:, :, :s] = k, v
+    kt = k32.transpose(-1, -2)                                            # [N, hkv, D, S']
+    vb = v32.view(n, hkv, blocks, KEY_BLOCK, d)                           # [N, hkv, B, blk, D]
+    bias = mask.new_full(mask.shape[:-1] + (padded,), float("-inf"), dtype=torch.float32)
+    bias[..., :s] = mask                                                  # [N|1, 1, T, S']
+    scale = d ** -0.5
+    step = max(1, ROWS // rep)                       # queries per GEMM
+    out = []
+    for i in range(0, t, step):
+        ti = min(step, t - i)
+        m = rep * ti
+        rows = _two_rows(q[:, :, i:i + ti].reshape(n, hkv, m, d).float())            # [N, hkv, M', D]
+        scores = torch.matmul(rows, kt)[:, :, :m].view(n, hkv, rep, ti, padded)
+        p = torch.softmax(scores * scale + bias[:, :, None, i:i + ti], dim=-1)      # [N, hkv, rep, t', S']
+        pb = _two_rows(p.view(n, hkv, m, blocks, KEY_BLOCK).transpose(2, 3))        # [N, hkv, B, M', blk]
+        parts = torch.matmul(pb, vb)                                                # [N, hkv, B, M', D]
+        acc = parts[:, :, 0, :m]
+        for b in range(1, blocks):                   # in block order: trailing masked blocks add 0
+            acc = acc + parts[:, :, b, :m]
+        out.append(acc.to(q.dtype).view(n, hq, ti, d))
+    return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def use_batch_invariant(model: nn.Module) -> int:
+    """Switch a TargetModel to batch-invariant mode in place: every `nn.Linear` becomes an
+    `InvariantLinear` (same parameters) and attention uses `invariant_attention`. Returns the
+    number of linears replaced."""
+    count = 0
+    for module in list(model.modules()):
+        if hasattr(module, "invariant_attention"):
+            module.invariant_attention = True
+        for name, child in list(module.named_children()):
+            if type(child) is nn.Linear:
+                setattr(module, name, InvariantLinear(child))
+                count += 1
+    return count
+
+
+def _rows_alone_equal(fn, x: torch.Tensor) -> bool:
+    """fn(x[:m]) row by row equals fn(x[i:i+1]) for every m <= len(x)."""
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(x.shape[0])])
+    return all(torch.equal(fn(x[:m]), alone[:m]) for m in range(2, x.shape[0] + 1))
+
+
+@torch.no_grad()
+def check_batch_invariant(model: nn.Module, seed: int = 0) -> list[str]:
+    """What breaks batch invariance on this machine for `model` in its dtype (empty: nothing):
+    each distinct linear shape (its own weights) at 1..ROWS rows, and the attention of its head
+    layout with 1..ROWS//rep queries over several key lengths, each query against itself alone."""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    failures, seen = [], set()
+    for name, m in model.named_modules():
+        if isinstance(m, InvariantLinear) and (m.in_features, m.out_features) not in seen:
+            seen.add((m.in_features, m.out_features))
+            x = torch.randn(ROWS, m.in_features, generator=g).to(dtype)
+            if not _rows_alone_equal(m, x):
+                failures.append(f"linear {name} [{m.in_features} -> {m.out_features}]")
+    cfg = model.config
+    hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    t_max = max(1, ROWS // (hq // hkv))
+    for cached in (5, 37, 130, 511):
+        s = cached + t_max
+        q = torch.randn(1, hq, t_max, d, generator=g).to(dtype)
+        k, v = (torch.randn(1, hkv, s, d, generator=g).to(dtype) for _ in range(2))
+        keys = torch.arange(s)
+        for t in range(1, t_max + 1):
+            allowed = keys[None, :] <= cached + torch.arange(t)[:, None]           # [t, S]
+            mask = torch.zeros(t, s).masked_fill_(~allowed, float("-inf")).to(dtype)
+            together = invariant_attention(q[:, :, :t], k, v, mask)
+            for j in range(t):               # query j alone, over only the keys it may see
+                upto = cached + j + 1
+                alone = invariant_attention(q[:, :, j:j + 1], k[:, :, :upto], v[:, :, :upto],
+                                            torch.zeros(1, upto, dtype=dtype))
+                if not torch.equal(alone, together[:, :, j:j + 1]):
+                    failures.append(f"attention: query {j} of {t} over {cached} cached keys")
+                    break
+            if failures and failures[-1].startswith("attention"):
+                break
+    return failures
