@@ -790,10 +790,13 @@ def test_bf16_batch_invariant_speculative_equals_ar(tiny_target_dir, family):
 
 
 @pytest.mark.slow
-def test_smollm2_fp16_weights_speculative_equals_ar(smollm2_dir):
-    """The same on SmolLM2-135M-Instruct with chat prompts (the precision `auto` serves on CPUs
-    without native bf16)."""
-    target = load_target(smollm2_dir, dtype="fp16-weights")
+@pytest.mark.parametrize("dtype", ["fp16-weights", "bfloat16"])
+def test_smollm2_speculative_equals_ar(smollm2_dir, dtype):
+    """The same on SmolLM2-135M-Instruct with chat prompts: fp16-weights (what `auto` serves on
+    CPUs) and bf16 in batch-invariant mode."""
+    target = load_target(smollm2_dir, dtype=dtype)
+    if dtype == "bfloat16" and not target.batch_invariant:
+        pytest.skip("this machine's bf16 kernels are not batch-invariant (load_target warned)")
     reqs, results, ar = _lossless_runs(target, _smollm2_prompts(smollm2_dir), n_new=20, block=8, seed=4)
     for req, r in zip(reqs, results):
         assert r.tokens == ar[req["key"]][:20], f"{req['rule']} request {req['key']} differs from ar"
