@@ -304,6 +304,23 @@ def test_bf16_on_cpu_is_batch_invariant(tiny_target_dir, family, overrides):
             assert torch.equal(step[0, 0], together[i, j]), (i, j)
 
 
+@torch.no_grad()
+def test_bf16_falls_back_to_pytorch_kernels_where_the_check_fails(tiny_target_dir, monkeypatch):
+    """A machine whose kernels fail the batch-invariance check (simulated: this one passes) gets
+    PyTorch's kernels back, the same logits as batch_invariant=False, and a warning naming it."""
+    import lilicorr.batch_invariant as bi
+    path = tiny_target_dir("qwen2")
+    monkeypatch.setattr(bi, "check_batch_invariant", lambda model: ["linear lm_head [64 -> 96]"])
+    with pytest.warns(RuntimeWarning, match=r"not batch-invariant \(linear lm_head"):
+        model = load_target(path, dtype="bfloat16")
+    assert not model.batch_invariant
+    assert not any(isinstance(m, bi.InvariantLinear) for m in model.modules())
+    assert not any(getattr(m, "invariant_attention", False) for m in model.modules())
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
+    plain = load_target(path, dtype="bfloat16", batch_invariant=False)
+    assert torch.equal(model(ids, _positions(2, 7)).logits, plain(ids, _positions(2, 7)).logits)
+
+
 def test_kv_cache_pool_and_errors():
     c = KVCache(2, 2, 1, 4, capacity=2)
     a, b = c.allocate(), c.allocate()
