@@ -437,6 +437,12 @@ def test_cli_init_starts_from_another_checkpoints_weights(target_dir, data_file,
     # the first step's loss is the trained model's, below a fresh model's first step
     fresh = [json.loads(line) for line in Path(f"{first}.log.jsonl").read_text().splitlines()]
     assert log[0]["dflash"] < fresh[0]["dflash"]
+    # a run from that run's weights counts every step behind them: 2 + 1 + this run's 1
+    again = tmp_path / "again"
+    assert cli.main([*base, "--out", str(again), "--steps", "1", "--init", str(grown),
+                     "--save-every", "1", "--snapshot-every", "1"]) == 0
+    assert ckpt_io.read_meta(again)["init_step"] == 3
+    assert [p.name for p in Path(f"{again}.snapshots").iterdir()] == ["step-00004"]
     # a vanilla run cannot start from a LiLiCorr checkpoint
     capsys.readouterr()
     assert cli.main([*base, "--out", str(tmp_path / "v"), "--steps", "1", "--vanilla", "--init", str(first)]) == 2

@@ -151,8 +151,10 @@ def main(argv=None) -> int:
             if not resumed:
                 trainer.load_weights(args.init)
             trainer.extra_meta["init"] = str(args.init)
-            # steps the initial weights had: snapshots are named by total steps (init's + this run's)
-            trainer.extra_meta["init_step"] = int(ckpt_io.read_meta(args.init).get("step", 0))
+            # steps the initial weights had, counting the runs they came from (--init chains):
+            # snapshots are named by total steps (init's + this run's)
+            init_meta = ckpt_io.read_meta(args.init)
+            trainer.extra_meta["init_step"] = int(init_meta.get("step", 0)) + int(init_meta.get("init_step", 0))
     except (FileNotFoundError, ValueError, KeyError, ckpt_io.CheckpointError) as e:
         if dist_info.enabled:
             torch.distributed.destroy_process_group()
