@@ -1317,10 +1317,11 @@ def test_cancel_without_request_id_frees_row(engine_server, good_request, model)
     text = _wait_freed(engine_server, metric(before, "lilicorr_requests_cancelled"))
     assert metric(text, "lilicorr_requests_completed") == metric(before, "lilicorr_requests_completed")
     assert metric(text, "lilicorr_output_tokens") - metric(before, "lilicorr_output_tokens") < LONG
-    # freed within a few engine steps: the lilicorr model sees is_cancelled() at its next check; the
-    # ensemble only when the next response reaches postprocessing (another model's queue, so a few
-    # more steps of the tiny engine under load)
-    assert metric(text, "lilicorr_engine_steps") - steps_at_cancel <= (16 if model == "ensemble" else 4)
+    # freed within a few engine steps: the lilicorr model sees is_cancelled() at its next check once
+    # the cancel has crossed from the gRPC frontend to the backend stub (milliseconds, while a step of
+    # the tiny engine takes about one: up to 5 seen on a quiet 2-core machine); the ensemble only when
+    # the next response reaches postprocessing (another model's queue, a few more steps under load)
+    assert metric(text, "lilicorr_engine_steps") - steps_at_cancel <= (16 if model == "ensemble" else 8)
     good_request(client)
 
 
