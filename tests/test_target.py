@@ -118,21 +118,24 @@ def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir,
 
 
 def test_precision_names_resolve(monkeypatch):
-    """auto: bf16 on CUDA; on CPUs fp16-weights where fbgemm has it, else fp32, also with native bf16
-    (slower than fp16-weights where measured); fp16-weights computes in float32 and is refused on
-    CUDA; unknown names are refused; NAME:plain asks for PyTorch's own kernels."""
+    """auto: bf16 on CUDA and on CPUs with AMX-BF16 and oneDNN's prepacked linear; on other CPUs
+    fp16-weights where fbgemm has it, else fp32 (AVX512-BF16 alone is not enough); fp16-weights
+    computes in float32 and is refused on CUDA; unknown names are refused; NAME:plain asks for
+    PyTorch's own kernels."""
+    import lilicorr.batch_invariant as bi
     import lilicorr.fp16_linear as fl
     import lilicorr.target as tg
     assert tg.resolve_precision("auto", "cuda") == "bfloat16" and tg.resolve_dtype("auto", "cuda") == torch.bfloat16
-    monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: False)
-    monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
-    assert tg.resolve_precision(None) == "fp16-weights" and tg.resolve_dtype("auto") == torch.float32
-    monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: False)
+    for flags, fbgemm, want in ((["avx2"], True, "fp16-weights"), (["avx2"], False, "float32"),
+                                (["avx512_bf16"], True, "fp16-weights"), (["amx_bf16"], False, "bfloat16")):
+        monkeypatch.setattr(tg, "_cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda fbgemm=fbgemm: fbgemm)
+        assert tg.resolve_precision(None) == want, (flags, fbgemm)
+    assert tg.resolve_dtype("auto") == torch.bfloat16
+    monkeypatch.setattr(bi, "pack_bf16", lambda w: None)           # no oneDNN linear in this build
     assert tg.resolve_precision("auto") == "float32"
-    monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: True)
-    assert tg.resolve_precision("auto") == "float32"
     monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
-    assert tg.resolve_precision("auto") == "fp16-weights"
+    assert tg.resolve_precision("auto") == "fp16-weights" and tg.resolve_dtype("auto") == torch.float32
     assert tg.resolve_precision(torch.float16) == "float16" and tg.resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="CPU precision"):
         tg.resolve_precision("fp16-weights", "cuda")
@@ -319,6 +322,48 @@ def test_bf16_falls_back_to_pytorch_kernels_where_the_check_fails(tiny_target_di
     ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(3))
     plain = load_target(path, dtype="bfloat16", batch_invariant=False)
     assert torch.equal(model(ids, _positions(2, 7)).logits, plain(ids, _positions(2, 7)).logits)
+
+
+def test_bf16_linears_are_prepacked_where_onednn_has_it(tiny_target_dir, monkeypatch):
+    """bf16 linears in batch-invariant mode keep a oneDNN-prepacked copy of the weight: the same
+    function as F.linear on that weight (bf16 rounding apart), every row as if alone (the load-time
+    check), and an input that needs a gradient takes F.linear, so gradients reach it. Where only the
+    prepacked kernel fails the check, the linears drop it and the mode stays on."""
+    import torch.nn.functional as F
+
+    import lilicorr.batch_invariant as bi
+    if bi.pack_bf16(torch.zeros(2, 2, dtype=torch.bfloat16)) is None:
+        pytest.skip("this PyTorch build has no oneDNN linear")
+    path = tiny_target_dir("llama", tie_word_embeddings=True)
+    model = load_target(path, dtype="bfloat16")
+    if not model.batch_invariant:
+        pytest.skip("this machine's bf16 kernels are not batch-invariant (load_target warned)")
+    linears = [m for m in model.modules() if isinstance(m, bi.InvariantLinear)]
+    assert linears and all(m._packed is not None for m in linears)
+    assert "prepacked" in repr(model.lm_head) and model.lm_head.weight is model.embed_tokens.weight
+    assert "_packed" not in str(list(model.state_dict()))
+    g = torch.Generator().manual_seed(0)
+    for m in linears:
+        x = torch.randn(3, 5, m.in_features, generator=g).bfloat16()
+        with torch.no_grad():
+            got, want = m(x), F.linear(x, m.weight, m.bias)
+        assert got.shape == want.shape == (3, 5, m.out_features)
+        assert float((got.float() - want.float()).abs().max()) <= 2 * BF16_EPS * float(want.float().abs().max())
+    x = torch.randn(4, model.lm_head.in_features, generator=g).bfloat16().requires_grad_()
+    model.lm_head(x).float().sum().backward()
+    want = model.lm_head.weight.float().sum(0)
+    assert float((x.grad.float() - want).abs().max()) <= 2 * BF16_EPS * float(want.abs().max())
+
+    real = bi.check_batch_invariant
+
+    def packed_fails(m):       # a machine whose prepacked kernel is not batch-invariant (simulated)
+        packed = any(x._packed is not None for x in m.modules() if isinstance(x, bi.InvariantLinear))
+        return ["linear lm_head [64 -> 96]"] if packed else real(m)
+
+    monkeypatch.setattr(bi, "check_batch_invariant", packed_fails)
+    model = load_target(path, dtype="bfloat16")
+    assert model.batch_invariant
+    assert all(m._packed is None for m in model.modules() if isinstance(m, bi.InvariantLinear))
 
 
 def test_kv_cache_pool_and_errors():
