@@ -58,9 +58,27 @@ def draft_io_names(num_layers: int, has_head: bool, tree: bool = False) -> tuple
 
 
 # ------------------------------------------------------------------------------ sessions
+def ort_threads(threads: int | None = None) -> int:
+    """Intra-op threads of the drafter's sessions: `threads`, else $LILICORR_ORT_THREADS, else
+    torch's intra-op thread count (the engine's thread budget)."""
+    if threads is None:
+        env = os.environ.get("LILICORR_ORT_THREADS", "").strip()
+        threads = int(env) if env else torch.get_num_threads()
+    if threads < 1:
+        raise ValueError(f"ONNX Runtime threads must be >= 1, got {threads}")
+    return threads
+
+
 def ort_session(path, optimize: bool = True, threads: int | None = None, optimized_out=None,
                 level: str = "ORT_ENABLE_ALL"):
-    """An ONNX Runtime CPU session; `optimized_out` saves the optimised graph there."""
+    """An ONNX Runtime CPU session; `optimized_out` saves the optimised graph there.
+
+    Threads: `threads`, else $LILICORR_ORT_THREADS, else torch's intra-op thread count. The drafter
+    runs between target forwards on the same cores, never beside them, so it gets the same thread
+    budget as torch, and its pool threads do not spin-wait after a run ($LILICORR_ORT_SPIN=1 lets
+    them): with ONNX Runtime's defaults (a thread per core, spinning) a 2-core machine lost about
+    20 ms of every 8-token verify at 1 torch thread to the drafter's idle threads
+    (results/ort_threads_cpu.md)."""
     try:
         import onnxruntime as ort
     except ImportError as e:
@@ -68,9 +86,9 @@ def ort_session(path, optimize: bool = True, threads: int | None = None, optimiz
                           "(pip install 'lilicorr[onnx]')") from e
     so = ort.SessionOptions()
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, level if optimize else "ORT_DISABLE_ALL")
-    threads = threads if threads is not None else int(os.environ.get("LILICORR_ORT_THREADS", "0"))
-    if threads:
-        so.intra_op_num_threads = threads
+    so.intra_op_num_threads = ort_threads(threads)
+    so.inter_op_num_threads = 1
+    so.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("LILICORR_ORT_SPIN", "0"))
     so.log_severity_level = 3
     if optimized_out is not None:
         so.optimized_model_filepath = str(optimized_out)

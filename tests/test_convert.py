@@ -177,6 +177,31 @@ def test_ort_runner_matches_torch_runner(ort_engine, tiny_ckpt, llama_dir):
     assert ort.allocate() == int(slots[0]) and ort.context_length(int(slots[0])) == 0
 
 
+def test_ort_sessions_take_torch_threads_and_do_not_spin(ort_engine, llama_dir, monkeypatch):
+    """The drafter's sessions run between target forwards on the same cores: they take torch's
+    intra-op thread count (or $LILICORR_ORT_THREADS) and their pool threads do not spin-wait."""
+    monkeypatch.delenv("LILICORR_ORT_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        for threads, env in ((1, None), (2, None), (1, "2")):
+            torch.set_num_threads(threads)
+            if env is None:
+                monkeypatch.delenv("LILICORR_ORT_THREADS", raising=False)
+            else:
+                monkeypatch.setenv("LILICORR_ORT_THREADS", env)
+            runner = make_runner(ort_engine, load_target(llama_dir), 2, backend="onnxruntime",
+                                 target_dir=llama_dir)
+            for sess in [runner._ctx, *runner._draft]:
+                so = sess.sess.get_session_options()
+                assert so.intra_op_num_threads == int(env or threads)
+                assert so.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    finally:
+        torch.set_num_threads(before)
+    from lilicorr.ort_runner import ort_threads
+    with pytest.raises(ValueError, match=">= 1"):
+        ort_threads(0)
+
+
 def test_draft_parts_cut_at_slot_hidden_and_logits(ort_engine):
     """draft.onnx cut into backbone -> slot_hidden, LM head -> slot_logits, head -> tokens: the
     LM-head part is the projection alone and only the head part carries the lilicorr nodes."""
