@@ -10,7 +10,9 @@ draft length) offline, plus `lilicorr` / `ar` through a real Triton server when 
         --out results/peers_cpu
 
 Every setting (precision:threads) runs every system on the same prompts in one process, systems taking
-turns per prompt, so load drift on a shared machine hits all of them alike. Writes OUT.json, OUT.md
+turns per prompt, so load drift on a shared machine hits all of them alike; our systems share one
+target and one drafter in memory, as a server does (separate copies would also compete for the CPU's
+caches, which favoured whichever system ran from them). Writes OUT.json, OUT.md
 and OUT.png (tokens/s per system, setting and suite). Re-run it when a new checkpoint lands.
 """
 from __future__ import annotations
@@ -37,7 +39,10 @@ def chat_ids(tok, item) -> list[int]:
 def run_setting(args, dtype: str, threads: int, suites: dict, tok, log) -> list[dict]:
     from transformers import AutoModelForCausalLM
 
+    from lilicorr.draft_runner import TorchDraftRunner
     from lilicorr.engine import SpecEngine
+    from lilicorr.model import load_model
+    from lilicorr.target import load_target
 
     torch.set_num_threads(threads)
     systems = [s for s in args.systems if s in OUR_SYSTEMS
@@ -45,11 +50,13 @@ def run_setting(args, dtype: str, threads: int, suites: dict, tok, log) -> list[
     hf = AutoModelForCausalLM.from_pretrained(args.target, dtype=getattr(torch, dtype)).eval() \
         if any(s in HF_SYSTEMS for s in systems) else None
     engines = {}
-    for s in systems:
-        if s in OUR_SYSTEMS:
-            dl = "auto" if s == "lilicorr_auto" else None
-            engines[s] = SpecEngine.from_paths(args.target, ckpt_dir=None if s == "ar" else args.ckpt, max_batch=1,
-                                               dtype=dtype, draft_length=dl)
+    ours = [s for s in systems if s in OUR_SYSTEMS]
+    if ours:      # one target and one drafter in memory, shared by every system of ours (as a server holds them)
+        target = load_target(args.target, dtype=dtype)
+        model = load_model(args.ckpt, target) if any(s != "ar" for s in ours) else None
+    for s in ours:
+        runner = None if s == "ar" else TorchDraftRunner(model, 1)
+        engines[s] = SpecEngine(target, runner, max_batch=1, draft_length="auto" if s == "lilicorr_auto" else None)
     stop = sorted(tok.eos_ids)
     rows = []
     for suite, prompts in suites.items():
