@@ -33,8 +33,9 @@ def parse_args(argv=None):
                    choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
                    help="target precision the manifest asks servers to use (auto: bf16 on CUDA and on "
                         "CPUs with AMX-BF16; on other CPUs fp16-weights where fbgemm has it, else fp32)")
-    p.add_argument("--draft-length", default="",
-                   help="drafted tokens verified per step recorded for serving: N or auto (default: whole block)")
+    p.add_argument("--draft-length", default="auto",
+                   help="drafted tokens verified per step recorded for serving: auto (the default: per row "
+                        "and step, what pays for itself at the current load), N, or '' (the whole block)")
     p.add_argument("--tree-nodes", type=int, default=None,
                    help="rule tree's node budget M built into the draft graph (lilicorr::DraftTree; default 16, "
                         "0: none; serving uses it unless told another M)")
