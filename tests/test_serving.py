@@ -80,6 +80,15 @@ def test_params_rejects_wrong_parameter_types():
         protocol.parse_generation_params({"max_tokens": np.asarray([1, 2])}, {}, LIM)
 
 
+def test_engine_threads_leave_the_server_a_core(monkeypatch):
+    """num_threads 0 in the model config: the engine takes every core it may run on but one (the
+    server's own threads need it), and never fewer than one."""
+    from lilicorr.serving import repository
+    for cores, want in ((1, 1), (2, 1), (4, 3), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)
+        assert repository.engine_threads() == want
+
+
 def test_prompt_validation():
     assert protocol.validate_prompt_ids(np.asarray([1, 2, 3], np.int32), LIM, 10) == [1, 2, 3]
     for ids, max_tokens, msg in [([], 1, "empty prompt"), ([1, 96], 1, "outside the vocabulary"),

@@ -137,7 +137,7 @@ class ServeOptions:
     cancel_check_ms: int = 20
     pre_instances: int = 1
     post_instances: int = 1
-    num_threads: int = 0                # torch threads in the engine stub (0: torch default)
+    num_threads: int = 0                # torch threads in the engine stub (0: `engine_threads()`)
     draft_backend: str | None = None    # override the manifest's backend
     chat_template: bool = True          # preprocessing applies the chat template to text_input
     profile: bool = False               # time the Table 3 stages in the engine thread (-> /metrics)
@@ -241,6 +241,18 @@ def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
+def engine_threads() -> int:
+    """Torch threads of the engine when the model config leaves num_threads at 0: every core this
+    process may run on but one, which tritonserver's own threads (gRPC, the backend stubs' IPC)
+    need. On 2 cores the engine at 2 threads through Triton measured 0.6-0.7x its speed at 1
+    thread (results/peers_cpu.md); offline, without a server beside it, 2 threads were faster."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                        # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = None):
     """Build the SpecEngine described by the ``lilicorr`` model's parameters (paths relative to
     ``base_dir``, the model directory).
@@ -263,8 +275,7 @@ def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     n_threads = int(params.get("num_threads") or 0)
-    if n_threads > 0:
-        torch.set_num_threads(n_threads)
+    torch.set_num_threads(n_threads if n_threads > 0 else engine_threads())
     from lilicorr.target import resolve_precision
     dtype = resolve_precision(params.get("dtype") or "auto", device)
     target_dir = model_path(params, "target_dir", base_dir)
