@@ -356,41 +356,28 @@ def hf_to_native(sd: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, to
     return out
 
 
-def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-
-
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX-BF16). Without them PyTorch's
     bf16 matmuls run at a fraction of fp32 speed once more than one token is in flight
     (results/verify_cost_cpu.md), so bf16 only pays for the target where they exist."""
-    flags = _cpu_flags()
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def cpu_serves_bf16() -> bool:
-    """Whether `auto` serves the target in bf16 on this CPU: AMX-BF16 tiles and oneDNN's prepacked
-    linear (`batch_invariant.pack_bf16`). Measured on such a CPU (results/verify_cost_amx.md): a
-    1-token step 1.13x fp16-weights, an 8-token verify 0.95x, so speculative blocks are cheaper
-    (results/ort_threads_cpu.md: 1.10x `ar` in bf16 against 0.84x in fp16-weights)."""
-    if "amx_bf16" not in _cpu_flags():
-        return False
-    from .batch_invariant import pack_bf16
-    return pack_bf16(torch.zeros(2, 2, dtype=torch.bfloat16)) is not None
-
-
 def resolve_precision(precision: torch.dtype | str | None, device: str | torch.device = "cpu") -> str:
-    """"auto" (or None) -> the serving precision here: bfloat16 on CUDA and on CPUs with AMX-BF16
-    (`cpu_serves_bf16`: batch-invariant kernels with prepacked weights, so bf16 output stays equal to
-    bf16 `ar`, and an 8-token verify costs about 1.09 plain steps against 1.30 for fp16-weights);
-    on other CPUs fp16-weights where fbgemm is available (half the bytes per step, fp32
-    arithmetic), float32 otherwise. Names in PRECISIONS and torch dtypes pass through (as names)."""
+    """"auto" (or None) -> the serving precision here: bfloat16 on CUDA; on CPUs fp16-weights where
+    fbgemm is available (half the bytes per step, fp32 arithmetic), float32 otherwise. Not bfloat16 on
+    a CPU even with AMX: there a plain step measured 1.13x fp16-weights (results/verify_cost_amx.md);
+    an 8-token verify is cheaper in bf16 (1.09 plain steps against 1.30), but through Triton plain
+    decoding in fp16-weights was faster than every bf16 configuration at concurrency 1 and as fast
+    at 4 (results/main_job_cpu). bfloat16 asked for explicitly is lossless too: on a CPU it loads
+    batch-invariant (`load_target`). Names in PRECISIONS and torch dtypes pass through (as names)."""
     if precision is None or precision == "auto":
-        if str(device).startswith("cuda") or cpu_serves_bf16():
+        if str(device).startswith("cuda"):
             return "bfloat16"
         from .fp16_linear import fbgemm_fp16_available
         return "fp16-weights" if fbgemm_fp16_available() else "float32"
