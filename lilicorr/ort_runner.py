@@ -76,9 +76,9 @@ def ort_session(path, optimize: bool = True, threads: int | None = None, optimiz
     Threads: `threads`, else $LILICORR_ORT_THREADS, else torch's intra-op thread count. The drafter
     runs between target forwards on the same cores, never beside them, so it gets the same thread
     budget as torch, and its pool threads do not spin-wait after a run ($LILICORR_ORT_SPIN=1 lets
-    them): with ONNX Runtime's defaults (a thread per core, spinning) a 2-core machine lost about
-    20 ms of every 8-token verify at 1 torch thread to the drafter's idle threads
-    (results/ort_threads_cpu.md)."""
+    them): with ONNX Runtime's defaults (a thread per core, spinning) a 2-core machine at 1 torch
+    thread lost about 40 ms of every drafted block to the drafter's idle threads, most of it in the
+    target's verify (results/ort_threads_cpu.md)."""
     try:
         import onnxruntime as ort
     except ImportError as e:

@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="drafted tokens verified per step: N or auto (default: the manifest's, else the whole block)")
     eng.add_argument("--tree-nodes", type=int, default=0,
                      help="rule tree: draft-tree nodes verified per step (default: the engine's, else 16)")
-    eng.add_argument("--num-threads", type=int, default=0, help="torch threads in the engine (0: every core this process may use but one, "
-                     "which the server's own threads need)")
+    eng.add_argument("--num-threads", type=int, default=0,
+                     help="torch threads in the engine (0: every core this process may use but one, "
+                          "which the server's own threads need)")
     eng.add_argument("--no-chat-template", action="store_true",
                      help="tokenize text_input raw instead of as a chat user message")
     eng.add_argument("--profile", action="store_true",
