@@ -357,7 +357,8 @@ class SpecEngine:
         up to the block's wall time); prefill is not part of a block."""
         events: list[StepEvent] = []
         fresh = [s for s in self._seqs.values() if not s.prefilled]
-        running = [s for s in self._seqs.values() if s.prefilled]
+        # in slot order: rows on consecutive slots read their caches as views, not gathered copies
+        running = sorted((s for s in self._seqs.values() if s.prefilled), key=lambda s: s.tslot)
         if fresh:
             with nvtx_range("engine/prefill"):
                 events += self._prefill(fresh)

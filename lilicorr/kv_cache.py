@@ -18,6 +18,8 @@ Typical use by a model forward over rows `rows` (slot ids) with `T` new tokens p
 """
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 __all__ = ["KVCache"]
@@ -37,7 +39,7 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, slots, h, C, D]
         self.v = torch.zeros(shape, dtype=dtype, device=self.device)  # [L, slots, h, C, D]
         self.lengths = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [slots]
-        self._free = list(range(num_slots - 1, -1, -1))  # stack: allocate() pops slot 0 first
+        self._free = list(range(num_slots))               # a min-heap: allocate() takes the lowest free slot
 
     # ---------------------------------------------------------------- slot pool
     @property
@@ -49,10 +51,12 @@ class KVCache:
         return len(self._free)
 
     def allocate(self) -> int:
-        """Take a free slot (its length is 0)."""
+        """Take the lowest free slot (its length is 0). Lowest first keeps the slots in use packed at
+        the front: N running rows stepped in slot order are then usually slots 0..N-1, which
+        `row_index` reads as views instead of gathered copies."""
         if not self._free:
             raise RuntimeError(f"KVCache: all {self.num_slots} slots are in use")
-        slot = self._free.pop()
+        slot = heapq.heappop(self._free)
         self.lengths[slot] = 0
         return slot
 
@@ -61,7 +65,7 @@ class KVCache:
         if not 0 <= slot < self.num_slots or slot in self._free:
             raise ValueError(f"KVCache: slot {slot} is not allocated")
         self.lengths[slot] = 0
-        self._free.append(slot)
+        heapq.heappush(self._free, slot)
 
     # ---------------------------------------------------------------- lengths
     def truncate(self, rows: torch.Tensor, new_lengths: torch.Tensor | int) -> None:

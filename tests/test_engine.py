@@ -336,6 +336,37 @@ def test_full_engine_and_cancel(tiny_target_dir):
     assert engine.pop_result(c).tokens == hf_greedy(path, [10, 11, 12, 13], 6)
 
 
+def test_running_rows_are_stepped_in_slot_order(tiny_target_dir):
+    """Continuous batching at a steady load keeps the running rows on consecutive slots, stepped in
+    slot order, so the target reads its cache as views (no gathered copies): requests that join as
+    others finish take the lowest free slots."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 4), max_batch=4)
+    seen = []
+    forward = target.forward
+
+    def recording(ids, pos, *args, rows=None, **kwargs):
+        if kwargs.get("valid") is None:                  # a step (prefill passes the prompt lengths)
+            seen.append(rows.tolist())
+        return forward(ids, pos, *args, rows=rows, **kwargs)
+
+    target.forward = recording
+    try:
+        prompts = random_prompts((5, 3, 8, 4, 6, 2, 7), target.config.vocab_size, seed=3)
+        reqs = [dict(prompt=p, max_tokens=m, rule=r, key=i) for i, (p, m, r) in
+                enumerate(zip(prompts, (9, 3, 12, 5, 7, 4, 6), ("lilicorr", "argmax") * 4))]
+        results = run_requests(engine, reqs)[0]
+    finally:
+        del target.forward
+    assert [r.tokens for r in results] == [hf_greedy(path, q["prompt"], q["max_tokens"]) for q in reqs]
+    steps = [rows for rows in seen if len(rows) > 1]
+    full = [rows for rows in seen if len(rows) == 4]
+    assert len(full) > 5 and all(rows == [0, 1, 2, 3] for rows in full)     # joiners fill the holes
+    assert all(rows == sorted(rows) for rows in steps)
+    assert max(max(rows) for rows in seen) == 3          # never past the 4 slots a full batch needs
+
+
 # ---------------------------------------------------------------------------------- stop / EOS
 def test_stop_tokens_end_a_sequence_mid_block(tiny_target_dir):
     """A stop id ends the sequence at its first occurrence, also when it is an accepted draft in

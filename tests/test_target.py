@@ -363,6 +363,18 @@ def test_bf16_linears_are_prepacked_where_onednn_has_it(tiny_target_dir, monkeyp
     assert all(m._packed is None for m in model.modules() if isinstance(m, bi.InvariantLinear))
 
 
+def test_kv_cache_takes_the_lowest_free_slot():
+    """Freed slots are reused lowest first, so running rows stay packed at slots 0..N-1 (their
+    reads are views)."""
+    c = KVCache(1, 6, 1, 4, capacity=4)
+    slots = [c.allocate() for _ in range(5)]
+    assert slots == [0, 1, 2, 3, 4]
+    c.free(3)
+    c.free(1)
+    assert c.allocate() == 1 and c.allocate() == 3 and c.allocate() == 5
+    assert isinstance(KVCache.row_index(torch.tensor([0, 1, 2, 3, 4])), slice)
+
+
 def test_kv_cache_pool_and_errors():
     c = KVCache(2, 2, 1, 4, capacity=2)
     a, b = c.allocate(), c.allocate()
