@@ -104,7 +104,9 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     the rep query heads that share a key/value head times a chunk of queries are the rows of one
     GEMM (at least 2, at most `ROWS`); keys are padded to whole blocks of `KEY_BLOCK` (masked), and
     the product with V is a sum over those blocks in block order, so a query's sums never depend
-    on how many keys its row was padded to."""
+    on how many keys its row was padded to. Inputs that are already whole blocks in float32 (the
+    target's float32 cache read `padded_keys` deep, a float32 mask) are used as they are: keys past
+    a query's own may hold anything finite, since the mask gives them probability exactly 0."""
     n, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     rep = hq // hkv
@@ -112,13 +114,19 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
         mask = mask[None, None]
     blocks = -(-s // KEY_BLOCK)
     padded = blocks * KEY_BLOCK
-    k32 = k.new_zeros((n, hkv, padded, d), dtype=torch.float32)
-    v32 = torch.zeros_like(k32)
-    k32[:, :, :s], v32[:, :, :s] = k, v
+    if padded == s and k.dtype == v.dtype == torch.float32:
+        k32, v32 = k, v                      # already whole blocks in float32 (the target's cache views)
+    else:
+        k32 = k.new_zeros((n, hkv, padded, d), dtype=torch.float32)
+        v32 = torch.zeros_like(k32)
+        k32[:, :, :s], v32[:, :, :s] = k, v
     kt = k32.transpose(-1, -2)                                            # [N, hkv, D, S']
     vb = v32.view(n, hkv, blocks, KEY_BLOCK, d)                           # [N, hkv, B, blk, D]
-    bias = mask.new_full(mask.shape[:-1] + (padded,), float("-inf"), dtype=torch.float32)
-    bias[..., :s] = mask                                                  # [N|1, 1, T, S']
+    if padded == s and mask.dtype == torch.float32:
+        bias = mask                                                       # [N|1, 1, T, S']
+    else:
+        bias = mask.new_full(mask.shape[:-1] + (padded,), float("-inf"), dtype=torch.float32)
+        bias[..., :s] = mask                                              # [N|1, 1, T, S']
     scale = d ** -0.5
     step = max(1, ROWS // rep)                       # queries per GEMM
     out = []
@@ -135,6 +143,11 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
             acc = acc + parts[:, :, b, :m]
         out.append(acc.to(q.dtype).view(n, hq, ti, d))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
+
+
+def padded_keys(upto: int) -> int:
+    """Keys an attention over `upto` keys reads in batch-invariant mode: whole blocks of KEY_BLOCK."""
+    return -(-upto // KEY_BLOCK) * KEY_BLOCK
 
 
 def use_batch_invariant(model: nn.Module, packed: bool = True) -> int:
@@ -169,6 +182,14 @@ def _rows_alone_equal(fn, x: torch.Tensor) -> bool:
     return all(torch.equal(fn(x[:m]), alone[:m]) for m in range(2, x.shape[0] + 1))
 
 
+def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """`invariant_attention` as the target calls it: q [1, hq, T, D]; k, v [1, hkv, C, D] float32
+    caches read `padded_keys` deep (views); query t sees keys < seen[t] (a float32 mask)."""
+    width = padded_keys(int(seen.max()))
+    mask = torch.zeros(len(seen), width).masked_fill_(torch.arange(width)[None, :] >= seen[:, None], float("-inf"))
+    return invariant_attention(q, k[:, :, :width], v[:, :, :width], mask)
+
+
 @torch.no_grad()
 def check_batch_invariant(model: nn.Module, seed: int = 0) -> list[str]:
     """What breaks batch invariance on this machine for `model` in its dtype (empty: nothing):
@@ -189,16 +210,13 @@ def check_batch_invariant(model: nn.Module, seed: int = 0) -> list[str]:
     for cached in (5, 37, 130, 511):
         s = cached + t_max
         q = torch.randn(1, hq, t_max, d, generator=g).to(dtype)
-        k, v = (torch.randn(1, hkv, s, d, generator=g).to(dtype) for _ in range(2))
-        keys = torch.arange(s)
+        # the target's float32 cache: keys past a row's own hold stale (finite) values
+        cap = padded_keys(s) + KEY_BLOCK
+        k, v = (torch.randn(1, hkv, cap, d, generator=g).to(dtype).float() for _ in range(2))
         for t in range(1, t_max + 1):
-            allowed = keys[None, :] <= cached + torch.arange(t)[:, None]           # [t, S]
-            mask = torch.zeros(t, s).masked_fill_(~allowed, float("-inf")).to(dtype)
-            together = invariant_attention(q[:, :, :t], k, v, mask)
+            together = _cached_attention(q[:, :, :t], k, v, cached + 1 + torch.arange(t))
             for j in range(t):               # query j alone, over only the keys it may see
-                upto = cached + j + 1
-                alone = invariant_attention(q[:, :, j:j + 1], k[:, :, :upto], v[:, :, :upto],
-                                            torch.zeros(1, upto, dtype=dtype))
+                alone = _cached_attention(q[:, :, j:j + 1], k, v, torch.tensor([cached + j + 1]))
                 if not torch.equal(alone, together[:, :, j:j + 1]):
                     failures.append(f"attention: query {j} of {t} over {cached} cached keys")
                     break

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch_invariant import invariant_attention
+from .batch_invariant import invariant_attention, padded_keys
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary, with_yarn
 
@@ -216,9 +216,14 @@ class TargetModel(nn.Module):
         return self.embed_tokens(ids)
 
     def new_cache(self, num_slots: int, capacity: int = 256) -> KVCache:
-        """A KVCache shaped for this model (dtype/device of its weights)."""
+        """A KVCache shaped for this model (dtype/device of its weights). In batch-invariant mode
+        it holds float32 (what `invariant_attention` computes in) in whole blocks of KEY_BLOCK
+        keys, so attention reads its keys and values as they are, without a converted copy."""
         c, w = self.config, self.embed_tokens.weight
-        return KVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim, capacity, w.dtype, w.device)
+        dtype = w.dtype
+        if self.batch_invariant:
+            dtype, capacity = torch.float32, padded_keys(capacity)
+        return KVCache(c.num_hidden_layers, num_slots, c.num_key_value_heads, c.head_dim, capacity, dtype, w.device)
 
     def set_rope(self, rope_scaling: dict[str, Any] | None, max_position_embeddings: int | None = None) -> None:
         """Change rope scaling in place (e.g. YaRN at inference); the config is updated to match."""
@@ -260,10 +265,18 @@ class TargetModel(nn.Module):
             idx = cache.row_index(rows)
         if tree is not None and (cache is None or tree.shape != (n, t, t)):
             raise ValueError(f"tree must be [{n}, {t}, {t}] bool and needs a cache")
-        mask, upto = attention_mask(start, t, x.dtype, input_ids.device, tree)
+        width, mask_dtype = None, x.dtype
+        if self.batch_invariant and cache is not None and cache.dtype == torch.float32:
+            # read whole blocks of keys from the float32 cache (capacity: whole blocks, see new_cache)
+            width = padded_keys(int(start.max()) + t)
+            if width <= cache.capacity:
+                mask_dtype = torch.float32
+            else:
+                width = None
+        mask, upto = attention_mask(start, t, mask_dtype, input_ids.device, tree, width)
         want = {k: None for k in capture}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, idx, start, upto)
+            x = layer(x, cos, sin, mask, cache, i, idx, start, width or upto)
             if i in want:
                 want[i] = x
         if cache is not None:
@@ -275,19 +288,19 @@ class TargetModel(nn.Module):
         return TargetOutput(logits=self.lm_head(h).float() if logits else None, captured=captured, last_hidden=h)
 
 
-def attention_mask(start: torch.Tensor | None, t: int, dtype: torch.dtype,
-                   device: torch.device, tree: torch.Tensor | None = None) -> tuple[torch.Tensor, int]:
+def attention_mask(start: torch.Tensor | None, t: int, dtype: torch.dtype, device: torch.device,
+                   tree: torch.Tensor | None = None, width: int | None = None) -> tuple[torch.Tensor, int]:
     """Additive mask for T new tokens per row. start=None: causal [T, T]. Else start [N] cached keys
-    per row: query t of row i sees keys j <= start[i] + t -> [N, 1, T, S], S = max(start) + T; with
-    `tree` [N, T, T] bool it sees every cached key j < start[i] and new key start[i] + u iff
-    tree[i, t, u]."""
+    per row: query t of row i sees keys j <= start[i] + t -> [N, 1, T, S], S = max(start) + T (or
+    `width` >= that: the keys past S are masked); with `tree` [N, T, T] bool it sees every cached
+    key j < start[i] and new key start[i] + u iff tree[i, t, u]. Returns (mask, S)."""
     steps = torch.arange(t, device=device)
     if start is None:
         allowed, upto = steps[None, :] <= steps[:, None], t                          # [T, T]
     else:
         upto = int(start.max()) + t
         start = start.to(device)
-        keys = torch.arange(upto, device=device)[None, None, :]                       # [1, 1, S]
+        keys = torch.arange(width or upto, device=device)[None, None, :]              # [1, 1, S]
         limit = start[:, None] + steps[None, :]                                       # [N, T]
         allowed = keys <= limit[:, :, None]                                           # [N, T, S]
         if tree is not None:

@@ -255,6 +255,46 @@ def test_invariant_attention_is_attention():
         assert float((got16.float() - want16).abs().max()) <= 4 * BF16_EPS * float(want16.abs().max()), t
 
 
+@torch.no_grad()
+def test_invariant_attention_reads_float32_cache_blocks_as_they_are():
+    """The target's batch-invariant cache is float32 in whole KEY_BLOCKs, read to a whole block
+    with a float32 mask: whatever the keys past a row's own hold (stale drafts), the result equals
+    the bf16 route that pads with zeros, bit for bit; and the bf16 target's cache is that cache."""
+    from lilicorr.batch_invariant import KEY_BLOCK, invariant_attention, padded_keys
+    from lilicorr.target import attention_mask
+    g = torch.Generator().manual_seed(1)
+    n, hq, hkv, d, t = 2, 6, 2, 16, 4
+    start = torch.tensor([150, 37])
+    mask16, upto = attention_mask(start, t, torch.bfloat16, "cpu")
+    width = padded_keys(upto)
+    mask32, _ = attention_mask(start, t, torch.float32, "cpu", width=width)
+    assert width % KEY_BLOCK == 0 and mask32.shape[-1] == width
+    q = torch.randn(n, hq, t, d, generator=g).bfloat16()
+    k16, v16 = torch.randn(2, n, hkv, upto, d, generator=g).bfloat16()
+    cache_k, cache_v = (torch.randn(n, hkv, width + KEY_BLOCK, d, generator=g) * 1e4 for _ in range(2))
+    cache_k[:, :, :upto], cache_v[:, :, :upto] = k16, v16                   # past upto: stale values
+    want = invariant_attention(q, k16, v16, mask16)
+    got = invariant_attention(q, cache_k[:, :, :width], cache_v[:, :, :width], mask32)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+def test_batch_invariant_target_cache_is_float32_whole_blocks(tiny_target_dir):
+    """A bf16 target in batch-invariant mode caches float32 in whole KEY_BLOCKs (a cached forward
+    then agrees with the uncached one to bf16 rounding); without the mode it caches bf16."""
+    from lilicorr.batch_invariant import KEY_BLOCK
+    path = tiny_target_dir("llama")
+    plain, invariant = load_target(path, dtype="bfloat16", batch_invariant=False), load_target(path, dtype="bfloat16")
+    assert invariant.batch_invariant and plain.new_cache(2, capacity=100).dtype == torch.bfloat16
+    cache = invariant.new_cache(2, capacity=100)
+    assert cache.dtype == torch.float32 and cache.capacity % KEY_BLOCK == 0
+    ids = torch.randint(0, invariant.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    rows = torch.tensor([cache.allocate()])
+    invariant(ids[:, :6], _positions(1, 6), cache=cache, rows=rows)
+    cached = invariant(ids[:, 6:], _positions(1, 9)[:, 6:], cache=cache, rows=rows).logits[0]
+    whole = invariant(ids, _positions(1, 9)).logits[0, 6:]
+    assert float((cached - whole).abs().max()) <= 4 * BF16_EPS * float(whole.abs().max())
+
+
 def test_batch_invariance_check_detects_a_batch_dependent_kernel():
     """The check compares each row of an M-row call with that row computed alone: a row-wise
     function passes, one that mixes rows (here: centring over the batch) fails."""
