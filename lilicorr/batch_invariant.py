@@ -72,19 +72,23 @@ class InvariantLinear(nn.Module):
         self.bias = linear.bias
         self._packed = pack_bf16(self.weight) if packed else None   # not a buffer: out of state_dict
 
-    def _gemm(self, x: torch.Tensor) -> torch.Tensor:
+    def _packed_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [m <= ROWS, I] bf16 -> [m, O] with the prepacked weight."""
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+    def _plain_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [m <= ROWS, I] -> [m, O]."""
-        if self._packed is not None and x.dtype == torch.bfloat16 and not (
-                torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)):
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])                                      # [M, I]
+        packed = self._packed is not None and x.dtype == torch.bfloat16 and not (
+            torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
+        gemm = self._packed_gemm if packed else self._plain_gemm
         if flat.shape[0] <= ROWS:
-            y = self._gemm(flat)
+            y = gemm(flat)
         else:
-            y = torch.cat([self._gemm(flat[i:i + ROWS]) for i in range(0, flat.shape[0], ROWS)])
+            y = torch.cat([gemm(flat[i:i + ROWS]) for i in range(0, flat.shape[0], ROWS)])
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

@@ -82,11 +82,15 @@ def test_params_rejects_wrong_parameter_types():
 
 def test_engine_threads_leave_the_server_a_core(monkeypatch):
     """num_threads 0 in the model config: the engine takes every core it may run on but one (the
-    server's own threads need it), and never fewer than one."""
-    from lilicorr.serving import repository
-    for cores, want in ((1, 1), (2, 1), (4, 3), (16, 15)):
+    server's own threads need it), never fewer than one and at most MAX_ENGINE_THREADS; the
+    server's stubs get the same number in OMP_NUM_THREADS unless the caller set one."""
+    from lilicorr.serving import launcher, repository
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cores, want in ((1, 1), (2, 1), (4, 3), (16, launcher.MAX_ENGINE_THREADS)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, cores=cores: set(range(cores)), raising=False)
         assert repository.engine_threads() == want
+        assert launcher.server_env()["OMP_NUM_THREADS"] == str(want)
+    assert launcher.server_env({"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
 
 
 def test_prompt_validation():

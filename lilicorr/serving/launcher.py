@@ -180,9 +180,26 @@ def server_env(base: dict[str, str] | None = None) -> dict[str, str]:
     root = venv_root()
     if root is not None:
         env["VIRTUAL_ENV"] = str(root)
-    # one torch thread pool per stub is plenty on a shared CPU box; callers may override
-    env.setdefault("OMP_NUM_THREADS", str(max(1, min(os.cpu_count() or 1, 8))))
+    # every stub's thread pools follow the engine's policy (engine_threads); callers may override
+    env.setdefault("OMP_NUM_THREADS", str(engine_threads()))
     return env
+
+
+MAX_ENGINE_THREADS = 8     # a small model's step stops scaling well before this many threads
+
+
+def engine_threads() -> int:
+    """CPU threads of the served engine (torch, ONNX Runtime) and of every stub's pools when
+    nothing sets them (num_threads 0 in the model config, no OMP_NUM_THREADS): every core this
+    process may run on but one, which tritonserver's own threads (gRPC, the stubs' IPC) need, at
+    most MAX_ENGINE_THREADS. On 2 cores the engine at 2 threads through Triton measured 0.6-0.7x
+    its speed at 1 thread (results/peers_cpu.md); offline, without a server beside it, 2 threads
+    were faster."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:                        # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores - 1, MAX_ENGINE_THREADS))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -29,7 +29,7 @@ from typing import Any, Mapping
 
 from lilicorr.config import DEFAULT_TREE_NODES
 
-from .launcher import venv_root
+from .launcher import engine_threads, venv_root
 from .protocol import DECODE_RULES, DEFAULT_MAX_PROMPT_BYTES, MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -239,18 +239,6 @@ def model_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
             s = ""
         out[k] = s
     return out
-
-
-def engine_threads() -> int:
-    """Torch threads of the engine when the model config leaves num_threads at 0: every core this
-    process may run on but one, which tritonserver's own threads (gRPC, the backend stubs' IPC)
-    need. On 2 cores the engine at 2 threads through Triton measured 0.6-0.7x its speed at 1
-    thread (results/peers_cpu.md); offline, without a server beside it, 2 threads were faster."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:                        # not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores - 1)
 
 
 def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = None):
