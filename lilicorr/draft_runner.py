@@ -123,9 +123,9 @@ class TorchDraftRunner(ContextCacheRunner):
         pos = start_pos[:, None] + torch.arange(x.shape[1], device=start_pos.device)[None, :]  # [N, T]
         kv = drafter.context_kv(drafter.project_context(x), pos)               # per layer [N, h, T, D]
         self.cache.reserve(slots, x.shape[1])
-        start = self.cache.lengths[slots]
+        plan = self.cache.write_plan(slots, self.cache.lengths[slots], x.shape[1], valid)
         for layer, (k, v) in enumerate(kv):
-            self.cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), start, valid)
+            self.cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), plan=plan)
         self.cache.advance(slots, valid)
 
     @torch.no_grad()

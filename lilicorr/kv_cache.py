@@ -133,13 +133,40 @@ class KVCache:
                 return slice(first, first + n)
         return rows
 
+    def write_plan(self, rows: RowIndex, start: torch.Tensor, t: int,
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """Where `write` puts T new tokens per row, computed once for every layer of a forward
+        (after `reserve`): flat indices [M * h] into one layer's k (or v) viewed as [slots * h * C,
+        D], the kept (row, token) pairs ([N, T] bool, None: all) and the capacity they assume."""
+        row_ids = _as_ids(rows, self.device)                                         # [N]
+        h, cap = self.num_kv_heads, self.capacity
+        pos = start.to(self.device)[:, None] + torch.arange(t, device=self.device)  # [N, T]
+        base = row_ids[:, None] * h                                                  # [N, 1]
+        keep = None
+        if valid is not None:
+            keep = torch.arange(t, device=self.device)[None, :] < valid.to(self.device)[:, None]  # [N, T]
+            base, pos = base.expand_as(pos)[keep], pos[keep]                         # [M]
+        heads = torch.arange(h, device=self.device)
+        index = ((base[..., None] + heads) * cap + pos[..., None]).reshape(-1)      # [M * h] (token, head)
+        return index, keep, cap
+
     def write(self, layer: int, rows: RowIndex, k: torch.Tensor, v: torch.Tensor,
-              start: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> None:
+              start: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+              plan: tuple[torch.Tensor, torch.Tensor | None, int] | None = None) -> None:
         """Store k, v [N, T, h, D] for rows at positions start[i] + t (start defaults to lengths[rows]).
 
         With `valid` ([N] long) only t < valid[i] is stored. Lengths are not changed (see `advance`):
-        every layer of one forward writes at the same positions.
-        """
+        every layer of one forward writes at the same positions, so a forward may pass the
+        `write_plan` it computed once (then `start` and `valid` are the plan's)."""
+        if plan is not None:
+            index, keep, cap = plan
+            if cap != self.capacity:
+                raise RuntimeError("KVCache.write: the cache grew after its write plan was made")
+            d = k.shape[-1]
+            for buf, x in ((self.k[layer], k), (self.v[layer], v)):                 # [slots, h, C, D]
+                x = x[keep] if keep is not None else x                              # [M, h, D] or [N, T, h, D]
+                buf.view(-1, d).index_copy_(0, index, x.reshape(-1, d).to(self.dtype))
+            return
         n, t = k.shape[:2]
         row_ids = _as_ids(rows, self.device)                                         # [N]
         if start is None:

@@ -211,10 +211,10 @@ class GraphDraftRunner(ContextCacheRunner):
         pos = start_pos[:, None].long() + torch.arange(x.shape[1])[None, :]     # [N, T]
         out = self._ctx.run({"captured": x.float(), "positions": pos})
         self.cache.reserve(slots, x.shape[1])
-        start = self.cache.lengths[slots]
+        plan = self.cache.write_plan(slots, self.cache.lengths[slots], x.shape[1], valid)
         for layer in range(self.num_layers):
             k, v = out[f"ctx_k_{layer}"], out[f"ctx_v_{layer}"]                 # [N, h, T, D]
-            self.cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), start, valid)
+            self.cache.write(layer, slots, k.transpose(1, 2), v.transpose(1, 2), plan=plan)
         self.cache.advance(slots, valid)
 
     @torch.no_grad()

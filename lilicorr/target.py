@@ -141,7 +141,7 @@ class Attention(nn.Module):
         self.invariant_attention = False    # batch-invariant mode (lilicorr.batch_invariant)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None, layer: int, rows: Any, start: torch.Tensor | None, upto: int) -> torch.Tensor:
+                cache: KVCache | None, layer: int, rows: Any, plan: Any, upto: int) -> torch.Tensor:
         n, t, _ = x.shape
         q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
                                       self.n_kv * self.head_dim], dim=-1)
@@ -154,7 +154,7 @@ class Attention(nn.Module):
         if cache is None:
             k, v = k.transpose(1, 2), v.transpose(1, 2)          # [N, hkv, T, D]
         else:
-            cache.write(layer, rows, k, v, start)
+            cache.write(layer, rows, k, v, plan=plan)
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
         if self.invariant_attention:
             y = invariant_attention(q.transpose(1, 2), k, v, mask)                   # [N, hq, T, D]
@@ -253,7 +253,7 @@ class TargetModel(nn.Module):
             raise ValueError(f"capture layer ids {bad} outside [0, {len(self.layers)})")
         x = self.embed_tokens(input_ids)                              # [N, T, H]
         cos, sin = self.rotary(positions, x.dtype)                    # [N, T, D]
-        start, idx = None, None
+        start, idx, plan = None, None, None
         if cache is not None:
             if rows is None:
                 raise ValueError("rows (cache slot of each row) are required with a cache")
@@ -263,6 +263,7 @@ class TargetModel(nn.Module):
             start = cache.lengths[rows]                               # [N] keys already cached
             cache.reserve(rows, t)
             idx = cache.row_index(rows)
+            plan = cache.write_plan(idx, start, t)                    # where every layer writes its keys
         if tree is not None and (cache is None or tree.shape != (n, t, t)):
             raise ValueError(f"tree must be [{n}, {t}, {t}] bool and needs a cache")
         width, mask_dtype = None, x.dtype
@@ -276,7 +277,7 @@ class TargetModel(nn.Module):
         mask, upto = attention_mask(start, t, mask_dtype, input_ids.device, tree, width)
         want = {k: None for k in capture}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, idx, start, width or upto)
+            x = layer(x, cos, sin, mask, cache, i, idx, plan, width or upto)
             if i in want:
                 want[i] = x
         if cache is not None:

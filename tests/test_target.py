@@ -415,6 +415,28 @@ def test_kv_cache_takes_the_lowest_free_slot():
     assert isinstance(KVCache.row_index(torch.tensor([0, 1, 2, 3, 4])), slice)
 
 
+def test_kv_cache_write_plan_writes_what_write_does():
+    """A forward's write plan (computed once for all layers) stores exactly what a plain write
+    stores: scattered rows, ragged starts, a `valid` cut; a plan made before the cache grew is refused."""
+    g = torch.Generator().manual_seed(0)
+    a, b = (KVCache(2, 5, 3, 4, capacity=16) for _ in range(2))
+    rows, start = torch.tensor([3, 0, 2]), torch.tensor([4, 0, 9])
+    valid = torch.tensor([5, 2, 0])
+    k, v = torch.randn(2, 3, 5, 3, 4, generator=g)
+    for layer in range(2):
+        a.write(layer, rows, k, v, start, valid)
+    plan = b.write_plan(rows, start, 5, valid)
+    for layer in range(2):
+        b.write(layer, rows, k, v, plan=plan)
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v) and bool(b.k.abs().sum() > 0)
+    whole = b.write_plan(KVCache.row_index(torch.tensor([1, 2])), torch.tensor([0, 3]), 2)
+    b.write(1, slice(1, 3), k[:2, :2], v[:2, :2], plan=whole)
+    assert torch.equal(b.k[1, 2, :, 3:5], k[1, :2].transpose(0, 1))
+    b.reserve(torch.tensor([0]), 40)
+    with pytest.raises(RuntimeError, match="grew"):
+        b.write(0, rows, k, v, plan=plan)
+
+
 def test_kv_cache_pool_and_errors():
     c = KVCache(2, 2, 1, 4, capacity=2)
     a, b = c.allocate(), c.allocate()
