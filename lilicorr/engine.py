@@ -97,7 +97,7 @@ class _Seq:
     dslot: int = -1                      # drafter context slot (-1 for ar rows)
     tokens: list[int] = field(default_factory=list)
     anchor: int = -1
-    pending: torch.Tensor | None = None  # [P, n, H] verified features not yet in the drafter context
+    pending: list | None = None          # [P_i, n, H] chunks: verified features not yet in the drafter context
     pending_pos: int = 0
     state: torch.Tensor | None = None    # [n, H] captured layers at anchor position - 1
     prefilled: bool = False
@@ -410,7 +410,7 @@ class SpecEngine:
             s.prefilled = True
             tok = self._sample(logits[i], s)
             if s.rule != "ar":
-                s.pending = out.captured[i, : len(s.prompt)].clone()          # [P, n, H]
+                s.pending = [out.captured[i, : len(s.prompt)].clone()]        # [[P, n, H]]
                 s.pending_pos = 0
                 s.state = out.captured[i, len(s.prompt) - 1].clone()           # [n, H]
             events.append(self._commit(s, [tok], accepted=1, drafted=0, count_step=False))
@@ -500,9 +500,10 @@ class SpecEngine:
         dev = self.device
         with stage(STAGE_DRAFT):
             dslots = torch.tensor([s.dslot for s in dseqs], device=dev)
-            pend = [(i, s) for i, s in enumerate(dseqs) if s.pending is not None and len(s.pending)]
+            pend = [(i, s) for i, s in enumerate(dseqs) if s.pending]
             if pend:
-                self.runner.append_context(dslots[[i for i, _ in pend]], [s.pending for _, s in pend],
+                feats = [p[0] if len(p) == 1 else torch.cat(p) for p in (s.pending for _, s in pend)]  # [P, n, H]
+                self.runner.append_context(dslots[[i for i, _ in pend]], feats,
                                            torch.tensor([s.pending_pos for _, s in pend], device=dev))
                 for _, s in pend:
                     s.pending = None
@@ -521,9 +522,9 @@ class SpecEngine:
             s.slot_accepted[j] += 1
         s.accept_hist[a + 1] += 1
         if s.pending is None:
-            s.pending, s.pending_pos = feats, s.anchor_pos
-        else:                      # a row that skipped drafting keeps its features queued
-            s.pending = torch.cat([s.pending, feats])
+            s.pending, s.pending_pos = [feats], s.anchor_pos
+        else:                      # a row that skipped drafting keeps its features queued (joined when it drafts)
+            s.pending.append(feats)
         s.state = feats[-1].clone()
         s.steps += 1
 

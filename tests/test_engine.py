@@ -244,7 +244,8 @@ def test_rollback_matches_fresh_run_on_accepted_prefix(tiny_target_dir, block_si
                 # fresh drafter context on the verified prefix it holds
                 m = int(runner.cache.lengths[seq.dslot])
                 assert m <= n
-                pending = 0 if seq.pending is None else len(seq.pending)
+                queued = torch.cat(seq.pending) if seq.pending else None           # [P, n, H]
+                pending = 0 if queued is None else len(queued)
                 assert m + pending == n, "verified features are either in the drafter context or pending"
                 if m:
                     kv = drafter.context_kv(drafter.project_context(out.captured[:, :m]), torch.arange(m)[None])
@@ -253,7 +254,7 @@ def test_rollback_matches_fresh_run_on_accepted_prefix(tiny_target_dir, block_si
                         torch.testing.assert_close(k, fk, atol=2e-5, rtol=1e-4)
                         torch.testing.assert_close(v, fv, atol=2e-5, rtol=1e-4)
                     if pending:
-                        torch.testing.assert_close(seq.pending, out.captured[0, m:n], atol=2e-5, rtol=1e-4)
+                        torch.testing.assert_close(queued, out.captured[0, m:n], atol=2e-5, rtol=1e-4)
                 # the head's target state is the captured layers just before the anchor
                 torch.testing.assert_close(seq.state, out.captured[0, n - 1], atol=2e-5, rtol=1e-4)
                 checked += 1
