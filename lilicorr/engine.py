@@ -611,6 +611,8 @@ class SpecEngine:
     # -- adaptive draft length -----------------------------------------------------------------
     PROBE_EVERY = 16        # a batch that stopped drafting probes about once per this many steps
     PRIOR_RATE = 0.05       # weight of one verified draft in the acceptance new rows start from
+    ACCEPT_RATE = 0.1       # weight of one verified draft in a row's own acceptance history (0.3 stopped
+                            # drafting after a few misses: auto at concurrency 1 tau 1.16 -> 1.32)
 
     def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float, rows: int) -> str | None:
         """Row `s`'s wish this step: "gain" when its recent acceptance pays for the drafter at
@@ -670,7 +672,7 @@ class SpecEngine:
         """Update the row's acceptance history and the calibration with a verified step."""
         for j in range(min(a + 1, n_d)):
             hit = 1.0 if j < a else 0.0
-            s.accept_rate[j] = 0.7 * s.accept_rate[j] + 0.3 * hit
+            s.accept_rate[j] = (1 - self.ACCEPT_RATE) * s.accept_rate[j] + self.ACCEPT_RATE * hit
             self._prior[j] = (1 - self.PRIOR_RATE) * self._prior[j] + self.PRIOR_RATE * hit
             if p is not None and p[j] >= 0:
                 c = self._calib[j]
