@@ -116,8 +116,8 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     rep = hq // hkv
     if mask.dim() == 2:
         mask = mask[None, None]
-    blocks = -(-s // KEY_BLOCK)
-    padded = blocks * KEY_BLOCK
+    padded = padded_keys(s)
+    blocks = padded // KEY_BLOCK
     if padded == s and k.dtype == v.dtype == torch.float32:
         k32, v32 = k, v                      # already whole blocks in float32 (the target's cache views)
     else:

@@ -158,30 +158,20 @@ class KVCache:
         With `valid` ([N] long) only t < valid[i] is stored. Lengths are not changed (see `advance`):
         every layer of one forward writes at the same positions, so a forward may pass the
         `write_plan` it computed once (then `start` and `valid` are the plan's)."""
-        if plan is not None:
-            index, keep, cap = plan
-            if cap != self.capacity:
-                raise RuntimeError("KVCache.write: the cache grew after its write plan was made")
-            d = k.shape[-1]
-            for buf, x in ((self.k[layer], k), (self.v[layer], v)):                 # [slots, h, C, D]
-                x = x[keep] if keep is not None else x                              # [M, h, D] or [N, T, h, D]
-                buf.view(-1, d).index_copy_(0, index, x.reshape(-1, d).to(self.dtype))
-            return
-        n, t = k.shape[:2]
-        row_ids = _as_ids(rows, self.device)                                         # [N]
-        if start is None:
-            start = self.lengths[row_ids]
-        if int(start.max()) + t > self.capacity:
-            self._grow(int(start.max()) + t)
-        pos = start[:, None] + torch.arange(t, device=self.device)                  # [N, T]
-        r = row_ids[:, None].expand(n, t)                                            # [N, T]
-        kk, vv = self.k[layer], self.v[layer]                                        # [slots, h, C, D]
-        if valid is not None:
-            keep = torch.arange(t, device=self.device)[None, :] < valid[:, None]     # [N, T]
-            r, pos, k, v = r[keep], pos[keep], k[keep], v[keep]                      # [M], [M, h, D]
-        # advanced indices around a slice put the indexed dims first: target view is [N, T, h, D]
-        kk[r, :, pos] = k.to(self.dtype)
-        vv[r, :, pos] = v.to(self.dtype)
+        if plan is None:
+            t = k.shape[1]
+            if start is None:
+                start = self.lengths[_as_ids(rows, self.device)]
+            if int(start.max()) + t > self.capacity:
+                self._grow(int(start.max()) + t)
+            plan = self.write_plan(rows, start, t, valid)
+        index, keep, cap = plan
+        if cap != self.capacity:
+            raise RuntimeError("KVCache.write: the cache grew after its write plan was made")
+        d = k.shape[-1]
+        for buf, x in ((self.k[layer], k), (self.v[layer], v)):                     # [slots, h, C, D]
+            x = x[keep] if keep is not None else x                                  # [M, h, D] or [N, T, h, D]
+            buf.view(-1, d).index_copy_(0, index, x.reshape(-1, d).to(self.dtype))
 
     def read(self, layer: int, rows: RowIndex, upto: int) -> tuple[torch.Tensor, torch.Tensor]:
         """-> k, v [N, h, upto, D]: the first `upto` cached positions of each row (a view for slices)."""
