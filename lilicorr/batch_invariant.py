@@ -11,19 +11,25 @@ PyTorch's CPU kernels are not batch-invariant:
   other queries (its blocking over queries and keys changes the order of the sums);
 * the GEMMs switch kernels with the number of rows M: on an AMX Xeon every row of a bf16
   [M, K] x [K, N] product equals that row computed alone for M <= 32, and not for M >= 48; an fp32
-  product gives the same rows for every M >= 2, and M = 1 (a matrix-vector kernel) differs.
+  product gives the same rows for every M >= 2, and M = 1 (a matrix-vector kernel) differs. On an
+  AVX512-BF16 EPYC (no AMX) oneDNN's bf16 kernel differs at M = 1 for some weight shapes and
+  agrees for 2..32, and float32 products agree for M >= 4.
 
 So in this mode (`use_batch_invariant`):
 
 * every linear layer multiplies at most `ROWS` rows at a time (rows of a longer input go through in
-  chunks of `ROWS`; each chunk's rows equal the rows computed alone);
+  chunks of `ROWS`; each chunk's rows equal the rows computed alone); where this machine's kernel
+  computes a single row differently from 2..ROWS rows (a matrix-vector path: oneDNN's bf16 kernel
+  on an AVX512-BF16 EPYC, for some shapes), that linear multiplies a lone row as two, the row and
+  a zero row (`fit_single_rows`, measured per weight shape at load);
 * attention is written out (`invariant_attention`) in float32 (bf16 products are exact there):
   scores q k^T, softmax, and the product with V as a sum over blocks of `KEY_BLOCK` keys at fixed
   key offsets, added in block order. A GEMM's reduction order depends on its inner size, and a
   query verified with others sees its row's keys padded to the longest query's: within the block
   holding its last key the padding has probability exactly 0, and later blocks add exactly 0, so
   its sums are those of the query alone. The query heads that share a key/value head are rows of
-  one GEMM (grouped-query attention without copying K/V), at least 2 and at most `ROWS` of them.
+  one GEMM (grouped-query attention without copying K/V), at least `ATTENTION_MIN_ROWS` (zero rows
+  added) and at most `ROWS` of them.
 
 Everything else in the target (RMSNorm, RoPE, SwiGLU, residual adds) is elementwise per token.
 Whether the kernels of *this* machine keep the property is measured, not assumed:
@@ -40,6 +46,9 @@ from torch import nn
 
 ROWS = 32        # rows per GEMM in batch-invariant mode (the check covers 1..ROWS)
 KEY_BLOCK = 128  # keys per block of the attention's product with V (blocks at fixed key offsets)
+# float32 attention GEMMs take at least this many rows: an AMX Xeon gives every row the same
+# result for M >= 2 rows, an AVX512 EPYC (Zen) for M >= 4 (fewer rows take other kernels)
+ATTENTION_MIN_ROWS = 4
 
 
 def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
@@ -71,6 +80,7 @@ class InvariantLinear(nn.Module):
         self.weight = linear.weight                      # [O, I], shared (a tied embedding stays tied)
         self.bias = linear.bias
         self._packed = pack_bf16(self.weight) if packed else None   # not a buffer: out of state_dict
+        self.pad_single_row = False     # a lone row goes through as two (see fit_single_rows)
 
     def _packed_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x [m <= ROWS, I] bf16 -> [m, O] with the prepacked weight."""
@@ -85,7 +95,9 @@ class InvariantLinear(nn.Module):
         packed = self._packed is not None and x.dtype == torch.bfloat16 and not (
             torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         gemm = self._packed_gemm if packed else self._plain_gemm
-        if flat.shape[0] <= ROWS:
+        if flat.shape[0] == 1 and self.pad_single_row:
+            y = gemm(_two_rows(flat))[:1]
+        elif flat.shape[0] <= ROWS:
             y = gemm(flat)
         else:
             y = torch.cat([gemm(flat[i:i + ROWS]) for i in range(0, flat.shape[0], ROWS)])
@@ -93,20 +105,29 @@ class InvariantLinear(nn.Module):
 
     def extra_repr(self) -> str:
         packed = ", prepacked (oneDNN)" if self._packed is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, rows per GEMM<={ROWS}{packed}"
+        single = ", a lone row as two" if self.pad_single_row else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows per GEMM<={ROWS}{packed}{single}"
 
 
 def _two_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., M, K]: with M == 1, a zero row appended (an fp32 GEMM of one row takes a
-    matrix-vector kernel that rounds differently); else x."""
-    return torch.cat([x, torch.zeros_like(x)], dim=-2) if x.shape[-2] == 1 else x
+    """x [1, K] -> [2, K]: the row and a zero row."""
+    return torch.cat([x, torch.zeros_like(x)], dim=-2)
+
+
+def _min_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., M, K]: with M < ATTENTION_MIN_ROWS, zero rows appended up to it (float32 GEMMs of
+    fewer rows take kernels that round differently); else x."""
+    short = ATTENTION_MIN_ROWS - x.shape[-2]
+    if short <= 0:
+        return x
+    return torch.cat([x, x.new_zeros(x.shape[:-2] + (short, x.shape[-1]))], dim=-2)
 
 
 def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """q [N, hq, T, D], k/v [N, hkv, S, D] (hq a multiple of hkv), additive mask [N|1, 1, T, S] or
     [T, S] -> softmax(q k^T / sqrt(D) + mask) v [N, hq, T, D] in q's dtype, in float32 throughout:
     the rep query heads that share a key/value head times a chunk of queries are the rows of one
-    GEMM (at least 2, at most `ROWS`); keys are padded to whole blocks of `KEY_BLOCK` (masked), and
+    GEMM (at least `ATTENTION_MIN_ROWS`, at most `ROWS`); keys are padded to whole blocks of `KEY_BLOCK` (masked), and
     the product with V is a sum over those blocks in block order, so a query's sums never depend
     on how many keys its row was padded to. Inputs that are already whole blocks in float32 (the
     target's float32 cache read `padded_keys` deep, a float32 mask) are used as they are: keys past
@@ -137,15 +158,15 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     for i in range(0, t, step):
         ti = min(step, t - i)
         m = rep * ti
-        rows = _two_rows(q[:, :, i:i + ti].reshape(n, hkv, m, d).float())            # [N, hkv, M', D]
+        rows = _min_rows(q[:, :, i:i + ti].reshape(n, hkv, m, d).float())            # [N, hkv, M', D]
         scores = torch.matmul(rows, kt)[:, :, :m].view(n, hkv, rep, ti, padded)
         p = torch.softmax(scores * scale + bias[:, :, None, i:i + ti], dim=-1)      # [N, hkv, rep, t', S']
-        pb = _two_rows(p.view(n, hkv, m, blocks, KEY_BLOCK).transpose(2, 3))        # [N, hkv, B, M', blk]
+        pb = _min_rows(p.view(n, hkv, m, blocks, KEY_BLOCK).transpose(2, 3))        # [N, hkv, B, M', blk]
         parts = torch.matmul(pb, vb)                                                # [N, hkv, B, M', D]
         acc = parts[:, :, 0, :m]
         for b in range(1, blocks):                   # in block order: trailing masked blocks add 0
             acc = acc + parts[:, :, b, :m]
-        out.append(acc.to(q.dtype).view(n, hq, ti, d))
+        out.append(acc.to(q.dtype).reshape(n, hq, ti, d))
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
@@ -167,6 +188,32 @@ def use_batch_invariant(model: nn.Module, packed: bool = True) -> int:
                 setattr(module, name, InvariantLinear(child, packed=packed))
                 count += 1
     return count
+
+
+@torch.no_grad()
+def fit_single_rows(model: nn.Module, seed: int = 0) -> int:
+    """For each distinct weight shape of the model's `InvariantLinear`s: where one row computed alone
+    differs from the same row computed among 2..ROWS rows while every 2..ROWS-row call agrees with
+    the 2-row one, switch that shape's linears to `pad_single_row`. Returns how many linears
+    switched. (The remaining mismatches, if any, are `check_batch_invariant`'s to report.)"""
+    g = torch.Generator().manual_seed(seed)
+    dtype = next(model.parameters()).dtype
+    linears: dict[tuple[int, int], list[InvariantLinear]] = {}
+    for m in model.modules():
+        if isinstance(m, InvariantLinear):
+            linears.setdefault((m.in_features, m.out_features), []).append(m)
+    switched = 0
+    for same_shape in linears.values():
+        m = same_shape[0]
+        x = torch.randn(ROWS, m.in_features, generator=g).to(dtype)
+        if _rows_alone_equal(m, x):
+            continue
+        pairs = torch.cat([m(x[i:i + 2])[:1] for i in range(ROWS - 1)] + [m(x[ROWS - 2:])[1:]])
+        if all(torch.equal(m(x[:k]), pairs[:k]) for k in range(2, ROWS + 1)):
+            for each in same_shape:
+                each.pad_single_row = True
+            switched += len(same_shape)
+    return switched
 
 
 def unpack(model: nn.Module) -> int:

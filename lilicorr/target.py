@@ -462,15 +462,17 @@ def _make_batch_invariant(model: TargetModel) -> None:
     keep PyTorch's kernels (`model.batch_invariant` records which)."""
     import warnings
 
-    from .batch_invariant import check_batch_invariant, unpack, use_batch_invariant
+    from .batch_invariant import check_batch_invariant, fit_single_rows, unpack, use_batch_invariant
 
     if model.embed_tokens.weight.device.type != "cpu":
         raise ValueError("batch-invariant mode is for CPU targets")
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     use_batch_invariant(model)
+    fit_single_rows(model)
     failures = check_batch_invariant(model)
     if any(f.startswith("linear") for f in failures) and unpack(model):
-        failures = check_batch_invariant(model)           # oneDNN's prepacked kernel failed: F.linear
+        fit_single_rows(model)                            # oneDNN's prepacked kernel failed: F.linear
+        failures = check_batch_invariant(model)
     if failures:
         for name, linear in linears.items():            # back to the plain modules and SDPA
             parent, _, attr = name.rpartition(".")

@@ -304,6 +304,47 @@ def test_batch_invariance_check_detects_a_batch_dependent_kernel():
     assert not _rows_alone_equal(lambda a: a - a.mean(0, keepdim=True), x)
 
 
+
+@torch.no_grad()
+def test_fit_single_rows_pads_a_lone_row_only_where_that_restores_invariance():
+    """A kernel that rounds a lone row differently from 2..ROWS rows (as oneDNN's bf16 kernel does
+    for some shapes on an AVX512-BF16 EPYC; simulated here by a matrix-vector path that sums in a
+    different order) gets its lone rows computed as two rows, and then every row equals the row
+    alone; a kernel whose rows depend on the other rows at any count stays as it is (the check
+    reports it), and so does one that is already invariant."""
+    from torch import nn
+
+    from lilicorr.batch_invariant import ROWS, InvariantLinear, _rows_alone_equal, fit_single_rows
+
+    class RowWise(InvariantLinear):       # every row on its own: the same sums at any row count
+        def _plain_gemm(self, x):
+            return (x[:, None, :] * self.weight[None]).sum(-1) + self.bias
+
+    class GemvDiffers(RowWise):
+        def _plain_gemm(self, x):
+            if x.shape[0] == 1:           # another summation order for a lone row
+                return (x[:, None, :] * self.weight[None]).flip(-1).sum(-1) + self.bias
+            return super()._plain_gemm(x)
+
+    class MixesRows(RowWise):
+        def _plain_gemm(self, x):
+            return super()._plain_gemm(x) + 1e-3 * x.shape[0]
+
+    g = torch.Generator().manual_seed(0)
+    lins = [nn.Linear(48, 16), nn.Linear(48, 16), nn.Linear(40, 24), nn.Linear(32, 8)]
+    for lin in lins:
+        lin.weight.copy_(torch.randn(lin.weight.shape, generator=g))
+    model = nn.ModuleList([GemvDiffers(lins[0]), GemvDiffers(lins[1]), MixesRows(lins[2]), RowWise(lins[3])])
+    x48 = torch.randn(ROWS, 48, generator=g)
+    assert not _rows_alone_equal(model[0], x48)
+    assert fit_single_rows(model) == 2
+    assert [m.pad_single_row for m in model] == [True, True, False, False]
+    assert "a lone row as two" in repr(model[0])
+    assert _rows_alone_equal(model[0], x48) and _rows_alone_equal(model[1], x48)
+    assert not _rows_alone_equal(model[2], torch.randn(ROWS, 40, generator=g))
+    assert _rows_alone_equal(model[3], torch.randn(ROWS, 32, generator=g))
+    assert torch.allclose(model[0](x48[:1]), lins[0](x48[:1]), atol=1e-5)
+
 @pytest.mark.parametrize("family,overrides", [("llama", {"tie_word_embeddings": True}), ("qwen3", {})])
 @torch.no_grad()
 def test_bf16_on_cpu_is_batch_invariant(tiny_target_dir, family, overrides):
