@@ -29,8 +29,10 @@ observed acceptance) give the expected tokens E(L) of verifying L drafts; a `Cos
 this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows N and the drafter's
 cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
-under load speculation degrades to plain decoding; a new row starts from the acceptance observed
-over all rows so far, so a weak drafter's new rows do not draft by default. Every choice of L is
+under load speculation degrades to plain decoding. Such a row probes (drafts anyway) now and then;
+probes back off while probing steps commit fewer tokens than plain steps would have for their
+measured cost. A new row starts from the acceptance observed over all rows so far, so a weak
+drafter's new rows do not draft by default. Every choice of L is
 lossless: verification is unchanged, only fewer drafts are checked.
 State kept per row after each step: the anchor (last committed token, not yet in the target
 cache) at position p = target cache length, the target features of verified tokens not yet in the
@@ -210,6 +212,9 @@ class SpecEngine:
         # (a weak drafter's new rows start pessimistic instead of drafting until their own history
         # catches up: under load those first blocks widen every row's verify)
         self._prior = [0.6] * max(self.block_size - 1, 0)
+        # probes wait PROBE_EVERY x rows x this many steps: doubled after a probing step that
+        # committed fewer tokens than its cost in plain steps, back to 1 after one that paid
+        self._probe_scale = 1
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -425,10 +430,10 @@ class SpecEngine:
             if auto:
                 cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
                 draft_cost = self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
-                drafting = self._batch_drafting([self._wants_draft(s, cost, draft_cost, n) for s in seqs],
-                                                seqs, cost, draft_cost)
+                wish = [self._wants_draft(s, cost, draft_cost, n) for s in seqs]
+                drafting = self._batch_drafting(wish, seqs, cost, draft_cost)
             else:
-                drafting = [True] * n
+                wish, drafting = [None] * n, [True] * n
             d_idx = [i for i in range(n) if drafting[i]]
             dseqs = [seqs[i] for i in d_idx]
             prop = None
@@ -492,6 +497,9 @@ class SpecEngine:
                 events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=n_d))
                 self._settle_oracle(s)
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
+            if "probe" in wish:
+                paid = cost[max(lengths)] + self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
+                self._probe_outcome(sum(e.accepted for e in events), paid, n)
         return events
 
     def _draft(self, dseqs: list[_Seq], anchors: torch.Tensor, apos: torch.Tensor):
@@ -614,18 +622,32 @@ class SpecEngine:
     ACCEPT_RATE = 0.3       # weight of one verified draft in a row's own acceptance history (0.1 drafted
                             # more at concurrency 1, tau 1.16 -> 1.24, but was not faster: 1.06x ar at 1, 0.96x at 4)
 
+    PROBE_BACKOFF_MAX = 8   # probes back off to at most once per PROBE_EVERY x this many steps
+
     def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float, rows: int) -> str | None:
         """Row `s`'s wish this step: "gain" when its recent acceptance pays for the drafter at
-        today's load, "probe" when it is time to try again (each row every PROBE_EVERY x rows plain
-        steps, so the batch as a whole probes about once per PROBE_EVERY steps), else None."""
+        today's load, "probe" when it is time to try again (each row every PROBE_EVERY x rows x the
+        probe back-off plain steps, so the batch as a whole probes about once per PROBE_EVERY x
+        back-off steps), else None."""
         if best_length(_expected(s.accept_rate), cost, draft_cost)[0] > 0:
             s.skip = 0
             return "gain"
         if s.skip > 0:
             s.skip -= 1
             return None
-        s.skip = self.PROBE_EVERY * rows
+        s.skip = self.PROBE_EVERY * rows * self._probe_scale
         return "probe"
+
+    def _probe_outcome(self, tokens: int, paid: float, rows: int) -> None:
+        """A step with a probe committed `tokens` over its `rows` rows for `paid` plain steps
+        (verify + drafter, measured): one that did worse than plain steps (rows tokens per plain
+        step) doubles the wait between probes, up to PROBE_BACKOFF_MAX; one that did better resets
+        it. Where drafting does not pay on this machine, probes then cost 1/PROBE_BACKOFF_MAX as
+        much; a drafter that starts to pay is found again at the next probe."""
+        if tokens > rows * paid:
+            self._probe_scale = 1
+        else:
+            self._probe_scale = min(2 * self._probe_scale, self.PROBE_BACKOFF_MAX)
 
     @staticmethod
     def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: list[float],

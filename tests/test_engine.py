@@ -631,6 +631,30 @@ def test_auto_draft_length_degrades_to_plain_steps_under_cost(tiny_target_dir):
     assert plain >= 0.7 * len(spec_steps), f"{plain} plain steps of {len(spec_steps)}"
 
 
+def test_auto_draft_length_probes_back_off_while_they_do_not_pay(tiny_target_dir):
+    """Where every drafter pass costs far more than it commits, each probing step doubles the wait
+    before the next probe up to PROBE_BACKOFF_MAX, so the drafter runs less often than with a fixed
+    probe interval; where drafting pays, the wait stays at its base. Outputs stay the target's."""
+    path = tiny_target_dir("llama")
+    drafted = {}
+    for backoff in (1, SpecEngine.PROBE_BACKOFF_MAX):
+        engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
+        engine.PROBE_EVERY, engine.PROBE_BACKOFF_MAX = 1, backoff      # short requests: probe often
+        _set_costs(engine, lambda k: float(k), step_seconds=1e-12)   # any drafter pass costs >> a step
+        passes, draft = [], runner.draft
+        runner.draft = lambda *a, **k: passes.append(1) or draft(*a, **k)     # count drafter passes
+        results, events = run_requests(engine, reqs, runner=runner)
+        for req, r in zip(reqs, results):
+            assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+        assert engine._probe_scale == backoff
+        drafted[backoff] = len(passes)
+    assert 0 < drafted[SpecEngine.PROBE_BACKOFF_MAX] < drafted[1], drafted   # drafter passes
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", high_accept=True)
+    _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)   # drafting always pays
+    run_requests(engine, reqs, runner=runner)
+    assert engine._probe_scale == 1
+
+
 def test_auto_draft_length_new_rows_start_from_the_observed_acceptance(tiny_target_dir):
     """Under `auto` a new row's per-slot acceptance starts from what the engine has observed over
     all rows' verified drafts: below the initial prior for a drafter whose drafts are mostly
