@@ -127,11 +127,12 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     """q [N, hq, T, D], k/v [N, hkv, S, D] (hq a multiple of hkv), additive mask [N|1, 1, T, S] or
     [T, S] -> softmax(q k^T / sqrt(D) + mask) v [N, hq, T, D] in q's dtype, in float32 throughout:
     the rep query heads that share a key/value head times a chunk of queries are the rows of one
-    GEMM (at least `ATTENTION_MIN_ROWS`, at most `ROWS`); keys are padded to whole blocks of `KEY_BLOCK` (masked), and
-    the product with V is a sum over those blocks in block order, so a query's sums never depend
-    on how many keys its row was padded to. Inputs that are already whole blocks in float32 (the
-    target's float32 cache read `padded_keys` deep, a float32 mask) are used as they are: keys past
-    a query's own may hold anything finite, since the mask gives them probability exactly 0."""
+    GEMM (at least `ATTENTION_MIN_ROWS`, at most `ROWS`); keys are padded to whole blocks of
+    `KEY_BLOCK` (masked), and the product with V is a sum over those blocks in block order, so a
+    query's sums never depend on how many keys its row was padded to. Inputs that are already
+    whole blocks in float32 (the target's float32 cache read `padded_keys` deep, a float32 mask)
+    are used as they are: keys past a query's own may hold anything finite, since the mask gives
+    them probability exactly 0."""
     n, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     rep = hq // hkv
