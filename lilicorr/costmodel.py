@@ -89,6 +89,16 @@ class CostModel:
         r = self.ratios(rows)
         return r[min(max(k, 1), len(r)) - 1]
 
+    def draft_cost_at(self, rows: int) -> float:
+        """The drafter's cost in plain steps at `rows` rows: its bucket's running mean; before that
+        bucket has seen a drafter pass, the nearest such bucket's (in powers of two; the smaller on a
+        tie); 0.0 before any pass was seen."""
+        b = self.bucket(rows)
+        if b in self.draft_cost:
+            return self.draft_cost[b]
+        seen = sorted(self.draft_cost, key=lambda x: (abs(x.bit_length() - b.bit_length()), x > b))
+        return self.draft_cost[seen[0]] if seen else 0.0
+
     def observe_draft(self, rows: int, seconds: float) -> None:
         """Fold one measured drafter pass (context append + draft) into the drafter's cost."""
         b = self.bucket(rows)

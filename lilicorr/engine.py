@@ -248,15 +248,44 @@ class SpecEngine:
         """With auto draft length: measure the verify cost now for every load the engine can see
         (1..max_batch rows, by the cost model's power-of-two buckets), so that no step waits for a
         measurement when a new number of rows first appears. A start-up step for servers and
-        benchmarks (several seconds on a CPU); without it each bucket is measured on first use."""
+        benchmarks (several seconds on a CPU); without it each bucket is measured on first use. The
+        drafter's cost is measured per bucket too (`_measure_draft`); without it each bucket learns
+        it from its first drafter pass, and borrows the nearest measured bucket's until then."""
         if self.cost is None:
             return
         rows = 1
         while True:
             self.cost.ratios(rows)
+            self._measure_draft(rows)
             if rows >= self.max_batch:
                 break
             rows = min(2 * rows, self.max_batch)
+
+    @torch.no_grad()
+    def _measure_draft(self, rows: int) -> None:
+        """Time one drafter pass of `rows` rows (a one-token context append and a block each, over
+        `cost.context` cached positions of zero features) into the cost model, after an untimed
+        one, so that the first steps at this load do not take drafting for free."""
+        dev, ctx = self.device, self.cost.context
+        dtype = self.target.embed(torch.zeros(1, dtype=torch.long, device=dev)).dtype
+        shape = (len(self.capture), self.target.config.hidden_size)
+        slots = [self.runner.allocate() for _ in range(rows)]
+        try:
+            sl = torch.tensor(slots, device=dev)
+            zero = torch.zeros(rows, dtype=torch.long, device=dev)
+            state = torch.zeros((rows,) + shape, dtype=dtype, device=dev)
+            rules = ["lilicorr" if self.runner.has_head else "argmax"] * rows
+            self.runner.append_context(sl, [torch.zeros((ctx - 2,) + shape, dtype=dtype, device=dev)] * rows, zero)
+            for timed in (False, True):
+                pos = torch.full((rows,), self.runner.context_length(slots[0]), dtype=torch.long, device=dev)
+                t0 = time.perf_counter()
+                self.runner.append_context(sl, [state[0, None]] * rows, pos)
+                self.runner.draft(sl, zero, pos + 1, state, rules)
+                if timed:
+                    self.cost.observe_draft(rows, time.perf_counter() - t0)
+        finally:
+            for slot in slots:
+                self.runner.free(slot)
 
     # -- requests ------------------------------------------------------------------------------
     def check_request(self, prompt_ids, max_tokens: int, rule: str = "lilicorr", temperature: float = 0.0,
@@ -429,7 +458,7 @@ class SpecEngine:
         with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():   # which rows draft
             if auto:
                 cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
-                draft_cost = self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
+                draft_cost = self.cost.draft_cost_at(n)
                 wish = [self._wants_draft(s, cost, draft_cost, n) for s in seqs]
                 drafting = self._batch_drafting(wish, seqs, cost, draft_cost)
             else:
@@ -498,7 +527,7 @@ class SpecEngine:
                 self._settle_oracle(s)
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
             if "probe" in wish:
-                paid = cost[max(lengths)] + self.cost.draft_cost.get(self.cost.bucket(n), 0.0)
+                paid = cost[max(lengths)] + self.cost.draft_cost_at(n)
                 self._probe_outcome(sum(e.accepted for e in events), paid, n)
         return events
 

@@ -156,7 +156,12 @@ class ScriptedRunner(TorchDraftRunner):
             n, s, v = len(slots), b - 1, model.cfg.drafter.vocab_size
             logits = torch.zeros(n, s, v)
             for i in range(n):
-                pools = self.script(self.key_of[int(slots[i])], int(anchor_pos[i]), int(anchors[i]))
+                key = self.key_of[int(slots[i])]
+                if key is None:       # a slot of no request (the engine timing a drafter pass): any pools
+                    k = model.cfg.head.top_k
+                    logits[i, :, :k] = 10.0 - torch.arange(k, dtype=torch.float32)
+                    continue
+                pools = self.script(key, int(anchor_pos[i]), int(anchors[i]))
                 assert len(pools) == s
                 for j, pool in enumerate(pools):
                     assert len(set(pool)) == len(pool) == model.cfg.head.top_k, pool

@@ -873,9 +873,24 @@ def test_auto_draft_length_decides_for_the_whole_batch():
     assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, 0.1) == [True] * 4
 
 
+def test_draft_cost_of_an_unseen_load_is_the_nearest_seen_one():
+    """Before a load bucket has seen a drafter pass its drafter cost is the nearest bucket's that
+    has (the smaller one on a tie), not free; with none seen it is 0."""
+    from lilicorr.costmodel import CostModel
+    cm = CostModel(target=None, max_k=4)
+    assert cm.draft_cost_at(3) == 0.0
+    cm.draft_cost.update({1: 0.5, 8: 2.0})
+    assert cm.draft_cost_at(1) == 0.5 and cm.draft_cost_at(8) == 2.0
+    assert cm.draft_cost_at(2) == 0.5 and cm.draft_cost_at(4) == 2.0      # nearest power of two
+    assert cm.draft_cost_at(16) == 2.0
+    cm.draft_cost = {1: 0.5, 4: 1.0}
+    assert cm.draft_cost_at(2) == 0.5                                       # a tie: the smaller load
+
+
 def test_measure_costs_covers_every_load_before_serving(tiny_target_dir):
-    """`measure_costs` measures the verify cost of every power-of-two bucket up to max_batch once;
-    afterwards steps at any number of rows measure nothing (no request waits for a measurement)."""
+    """`measure_costs` measures the verify cost and the drafter's cost of every power-of-two bucket
+    up to max_batch once; afterwards steps at any number of rows measure no verify cost (no request
+    waits for a measurement)."""
     from lilicorr.costmodel import CostModel
     path = tiny_target_dir("llama")
     engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
@@ -883,6 +898,9 @@ def test_measure_costs_covers_every_load_before_serving(tiny_target_dir):
     engine.measure_costs()
     want = {CostModel.bucket(r) for r in range(1, engine.max_batch + 1)}
     assert set(engine.cost._ratios) == want and max(want) >= engine.max_batch
+    assert set(engine.cost.draft_cost) == want                  # the drafter's cost too, per bucket
+    assert all(c > 0 for c in engine.cost.draft_cost.values())
+    assert all(runner.context_length(s) == 0 for s in range(engine.max_batch))   # its slots freed
     measured = dict(engine.cost._ratios)
     results, _ = run_requests(engine, reqs, runner=runner)
     assert engine.cost._ratios == measured                     # nothing measured while serving
