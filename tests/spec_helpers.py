@@ -156,12 +156,7 @@ class ScriptedRunner(TorchDraftRunner):
             n, s, v = len(slots), b - 1, model.cfg.drafter.vocab_size
             logits = torch.zeros(n, s, v)
             for i in range(n):
-                key = self.key_of[int(slots[i])]
-                if key is None:       # a slot of no request (the engine timing a drafter pass): any pools
-                    k = model.cfg.head.top_k
-                    logits[i, :, :k] = 10.0 - torch.arange(k, dtype=torch.float32)
-                    continue
-                pools = self.script(key, int(anchor_pos[i]), int(anchors[i]))
+                pools = self.script(self.key_of[int(slots[i])], int(anchor_pos[i]), int(anchors[i]))
                 assert len(pools) == s
                 for j, pool in enumerate(pools):
                     assert len(set(pool)) == len(pool) == model.cfg.head.top_k, pool
@@ -198,6 +193,8 @@ class Corruptor:
         return out
 
     def __call__(self, key, pos: int, anchor: int) -> list[list[int]]:
+        if key is None:          # a slot of no request (the engine timing a drafter pass): any pools
+            return [list(range(self.k)) for _ in range(self.s)]
         truth = self.truths[key]
         assert truth[pos] == anchor, f"anchor {anchor} at {pos} is not the target's greedy token {truth[pos]}"
         s, k = self.s, self.k
