@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The README's test command: installs (idempotent) and runs the test suite.
-# Runs the whole suite, slow and integration tests included (about 10 minutes on 2 cores);
+# Runs the whole suite, slow and integration tests included (10-15 minutes on 2 cores);
 # LILICORR_TEST_MARKERS (a pytest -m expression) or extra pytest arguments select a subset.
 set -euo pipefail
 cd "$(dirname "$0")/.."
