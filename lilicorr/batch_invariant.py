@@ -96,7 +96,7 @@ class InvariantLinear(nn.Module):
             torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad))
         gemm = self._packed_gemm if packed else self._plain_gemm
         if flat.shape[0] == 1 and self.pad_single_row:
-            y = gemm(_two_rows(flat))[:1]
+            y = gemm(_min_rows(flat, 2))[:1]
         elif flat.shape[0] <= ROWS:
             y = gemm(flat)
         else:
@@ -109,15 +109,10 @@ class InvariantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, rows per GEMM<={ROWS}{packed}{single}"
 
 
-def _two_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [1, K] -> [2, K]: the row and a zero row."""
-    return torch.cat([x, torch.zeros_like(x)], dim=-2)
-
-
-def _min_rows(x: torch.Tensor) -> torch.Tensor:
-    """x [..., M, K]: with M < ATTENTION_MIN_ROWS, zero rows appended up to it (float32 GEMMs of
-    fewer rows take kernels that round differently); else x."""
-    short = ATTENTION_MIN_ROWS - x.shape[-2]
+def _min_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [..., M, K]: with M < rows, zero rows appended up to `rows` (GEMMs of fewer rows take
+    kernels that round differently); else x."""
+    short = rows - x.shape[-2]
     if short <= 0:
         return x
     return torch.cat([x, x.new_zeros(x.shape[:-2] + (short, x.shape[-1]))], dim=-2)
@@ -159,10 +154,10 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     for i in range(0, t, step):
         ti = min(step, t - i)
         m = rep * ti
-        rows = _min_rows(q[:, :, i:i + ti].reshape(n, hkv, m, d).float())            # [N, hkv, M', D]
+        rows = _min_rows(q[:, :, i:i + ti].reshape(n, hkv, m, d).float(), ATTENTION_MIN_ROWS)  # [N, hkv, M', D]
         scores = torch.matmul(rows, kt)[:, :, :m].view(n, hkv, rep, ti, padded)
         p = torch.softmax(scores * scale + bias[:, :, None, i:i + ti], dim=-1)      # [N, hkv, rep, t', S']
-        pb = _min_rows(p.view(n, hkv, m, blocks, KEY_BLOCK).transpose(2, 3))        # [N, hkv, B, M', blk]
+        pb = _min_rows(p.view(n, hkv, m, blocks, KEY_BLOCK).transpose(2, 3), ATTENTION_MIN_ROWS)  # [N, hkv, B, M', blk]
         parts = torch.matmul(pb, vb)                                                # [N, hkv, B, M', D]
         acc = parts[:, :, 0, :m]
         for b in range(1, blocks):                   # in block order: trailing masked blocks add 0

@@ -304,7 +304,6 @@ def test_batch_invariance_check_detects_a_batch_dependent_kernel():
     assert not _rows_alone_equal(lambda a: a - a.mean(0, keepdim=True), x)
 
 
-
 @torch.no_grad()
 def test_fit_single_rows_pads_a_lone_row_only_where_that_restores_invariance():
     """A kernel that rounds a lone row differently from 2..ROWS rows (as oneDNN's bf16 kernel does
