@@ -52,11 +52,17 @@ def check_writable(path) -> None:
                               f"that does not hold a checkpoint ({CONFIG}/{META} missing)")
 
 
-def atomic_dir(final: Path, fill) -> Path:
-    """Create `final` by filling a sibling temp dir and renaming it into place (replacing an old one)."""
+def atomic_dir(final: Path, fill, resume: Path | None = None) -> Path:
+    """Create `final` by filling a sibling temp dir and renaming it into place (replacing an old one).
+    With `resume` (a fixed sibling path), that dir is the temp dir and is kept when `fill` fails or is
+    interrupted, so a rerun's `fill` can skip what it already holds."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    if resume is None:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    else:
+        tmp = Path(resume)
+        tmp.mkdir(exist_ok=True)
     os.chmod(tmp, 0o755)                      # mkdtemp makes 0700; a result dir is a normal dir
     try:
         fill(tmp)
@@ -77,7 +83,8 @@ def atomic_dir(final: Path, fill) -> Path:
         else:
             os.replace(tmp, final)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if resume is None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
 

@@ -2,6 +2,10 @@
 training data and store, per sequence, the captured layers and the final hidden state, so every
 training run and epoch skips the target forward (on CPU it dominates a training step).
 
+A build is resumable: it fills the sibling `.<name>.partial/` (with the planned meta in plan.json),
+each finished shard appears whole, and a rerun over the same plan keeps the finished shards; the
+directory is renamed into place when every shard is there.
+
 Layout of a feature directory (appears atomically):
     meta.json                 target fingerprint, capture layer ids, dtype, number of sequences
     shard-00000.safetensors   captured_<i> [T_i, n, H], last_hidden_<i> [T_i, H] and target_lse_<i> [T_i]
@@ -10,6 +14,7 @@ Layout of a feature directory (appears atomically):
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -42,7 +47,41 @@ def _fill_shards(target, sequences, capture, tmp: Path, shard_ids, batch_size: i
                     lse = torch.logsumexp(target.lm_head(last.to(target.lm_head.weight.dtype)).float(), -1)
                 shard[f"target_lse_{lo + i}"] = lse.contiguous()                  # [T_i] float32
             done(len(chunk))
-        save_file(shard, str(tmp / f"shard-{k:05d}.safetensors"))
+        path = tmp / _shard_name(k)
+        save_file(shard, str(path.with_suffix(".partial")))
+        os.replace(path.with_suffix(".partial"), path)     # a shard appears whole (resumable builds)
+
+
+def _shard_name(k: int) -> str:
+    return f"shard-{k:05d}.safetensors"
+
+
+def _finished_shards(tmp: Path, meta: dict, num_shards: int) -> list[int]:
+    """Shards a previous build over the same plan left complete in `tmp`; anything else is removed."""
+    plan = tmp / "plan.json"
+    if not plan.is_file() or json.loads(plan.read_text()) != meta:
+        for f in tmp.iterdir():
+            f.unlink()
+        plan.write_text(json.dumps(meta))
+        return []
+    finished = []
+    for k in range(num_shards):
+        path = tmp / _shard_name(k)
+        if not path.is_file():
+            continue
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                n = len(list(f.keys()))
+        except Exception:                                      # truncated by an older, non-atomic write
+            n = -1
+        want = 3 * (min((k + 1) * SHARD, meta["num_sequences"]) - k * SHARD)
+        if n == want:
+            finished.append(k)
+    keep = {"plan.json", *(_shard_name(k) for k in finished)}
+    for f in tmp.iterdir():                                    # half-written and stale pieces
+        if f.name not in keep:
+            f.unlink()
+    return finished
 
 
 def _worker(counter, *args) -> None:
@@ -55,20 +94,26 @@ def _worker(counter, *args) -> None:
 def build_feature_store(target, sequences, capture: list[int], out_dir, batch_size: int = 4,
                         dtype: torch.dtype = torch.bfloat16, progress=None, workers: int = 1) -> Path:
     """Run the target teacher-forced over `sequences` (list of training.Sequence) and store features.
-    ``workers`` > 1 forks that many processes (one per core, each on its own shards)."""
+    ``workers`` > 1 forks that many processes (one per core, each on its own shards). An interrupted
+    build resumes from its finished shards when rerun with the same target, capture, data and dtype."""
     if workers < 1:
         raise ValueError(f"workers must be >= 1, got {workers}")
-    shard_ids = list(range((len(sequences) + SHARD - 1) // SHARD))
     done = progress if progress is not None else (lambda n: None)
+    meta = {"target": target_fingerprint(target.config), "capture": list(capture),
+            "num_sequences": len(sequences), "lengths": [len(s.ids) for s in sequences],
+            "dtype": str(dtype).removeprefix("torch."), "target_lse": True}
+    num_shards = (len(sequences) + SHARD - 1) // SHARD
+    shard_ids: list[int] = []
 
     def fill(tmp: Path):
+        finished = set(_finished_shards(tmp, meta, num_shards))
+        done(sum(min((k + 1) * SHARD, len(sequences)) - k * SHARD for k in finished))
+        shard_ids[:] = [k for k in range(num_shards) if k not in finished]
         if workers == 1:
             _fill_shards(target, sequences, capture, tmp, shard_ids, batch_size, dtype, done)
         else:
             _fill_in_processes(tmp)
-        meta = {"target": target_fingerprint(target.config), "capture": list(capture),
-                "num_sequences": len(sequences), "lengths": [len(s.ids) for s in sequences],
-                "dtype": str(dtype).removeprefix("torch."), "target_lse": True}
+        (tmp / "plan.json").unlink()
         (tmp / "meta.json").write_text(json.dumps(meta))
 
     def _fill_in_processes(tmp: Path):
@@ -99,7 +144,8 @@ def build_feature_store(target, sequences, capture: list[int], out_dir, batch_si
         if bad:
             raise RuntimeError(f"feature worker(s) failed with exit code(s) {bad}")
 
-    return atomic_dir(Path(out_dir), fill)
+    out_dir = Path(out_dir)
+    return atomic_dir(out_dir, fill, resume=out_dir.parent / f".{out_dir.name}.partial")
 
 
 class FeatureStore:

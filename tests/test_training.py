@@ -486,6 +486,46 @@ def test_feature_store_parallel_build_equals_serial(target_dir, data_file, tmp_p
         features.build_feature_store(target, seqs, capture, tmp_path / "bad", workers=0)
 
 
+def test_interrupted_feature_build_resumes_from_its_finished_shards(target_dir, data_file, tmp_path, monkeypatch):
+    from lilicorr import features
+
+    monkeypatch.setattr(features, "SHARD", 2)
+    target = load_target(target_dir)
+    seqs = load_sequences(data_file, 64)[:7]                          # shards of 2, 2, 2, 1
+    capture = [0, 1]
+    real_fill = features._fill_shards
+    written = []
+
+    def fill_then_die(target, sequences, capture, tmp, shard_ids, *args, **kw):
+        real_fill(target, sequences, capture, tmp, shard_ids[:2], *args, **kw)
+        written.extend(shard_ids[:2])
+        (tmp / "shard-00002.safetensors").write_bytes(b"half a shard")  # a truncated older write
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(features, "_fill_shards", fill_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        features.build_feature_store(target, seqs, capture, tmp_path / "f")
+    partial = tmp_path / ".f.partial"
+    assert not (tmp_path / "f").exists() and (partial / "plan.json").is_file()
+    monkeypatch.setattr(features, "_fill_shards", lambda *a, **kw: (written.append(list(a[4])), real_fill(*a, **kw)))
+    seen = []
+    out = features.build_feature_store(target, seqs, capture, tmp_path / "f", progress=seen.append)
+    assert written[-1] == [2, 3]                                      # only the unfinished shards ran
+    assert sum(seen) == len(seqs) and not partial.exists()
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json"] + [f"shard-{k:05d}.safetensors" for k in range(4)]
+    clean = features.build_feature_store(target, seqs, capture, tmp_path / "clean")
+    a = features.FeatureStore(out, target.config, capture, seqs)
+    b = features.FeatureStore(clean, target.config, capture, seqs)
+    for x, y in zip(a.batch(list(range(7)), 64), b.batch(list(range(7)), 64)):
+        assert torch.equal(x, y)
+    # a partial build of other data is not reused
+    (partial).mkdir()
+    (partial / "plan.json").write_text('{"other": 1}')
+    (partial / "shard-00000.safetensors").write_bytes(b"x")
+    features.build_feature_store(target, seqs[:3], capture, tmp_path / "f")
+    assert features.FeatureStore(tmp_path / "f", target.config, capture, seqs[:3]).batch([0], 64)[0].shape[0] == 1
+
+
 def test_stored_target_lse_gives_the_full_vocabulary_q(target_dir, data_file, tmp_path):
     """q_k from the stored log-normaliser (K dot products) equals log_softmax over the full vocabulary."""
     from lilicorr.features import FeatureStore, build_feature_store
