@@ -20,6 +20,7 @@ throughput). A markdown table is printed; plots go next to OUT.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "scores and a cost model measured at start-up); default: the whole block")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per rule before timing (0: none)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes per suite, the rules in turn and in reverse order every other pass "
+                        "(A B B A ...), so the rules share a noisy machine's slow and fast minutes; "
+                        "tokens/s is over all passes, tau and outputs from the first")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-plots", action="store_true", help="skip the plots")
     return p
@@ -117,6 +122,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--block-size must be >= 2, got {args.block_size}")
     if args.threads is not None and args.threads <= 0:
         parser.error(f"--threads must be positive, got {args.threads}")
+    if args.repeats <= 0:
+        parser.error(f"--repeats must be positive, got {args.repeats}")
     spec = [r for r in args.rules if r != "ar"]
     if spec and not (args.ckpt or args.engine or args.untrained):
         parser.error(f"rules {', '.join(spec)} need a drafter: pass --ckpt DIR, --engine DIR or --untrained")
@@ -381,19 +388,21 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
     for name, items in suites.items():
         prompts = [it["ids"] for it in items]
         for seed in seeds:
-            for rule in args.rules:
-                desc = f"{name} {rule}" + (f" seed {seed}" if len(seeds) > 1 else "")
-                with _progress(len(prompts) * args.max_tokens, desc, args.no_progress) as bar:
-                    t0 = time.perf_counter()
-                    if args.profile:
-                        with timers[rule].active():
+            first: dict[str, list] = {}
+            wall = dict.fromkeys(args.rules, 0.0)
+            for rep in range(args.repeats):
+                for rule in args.rules if rep % 2 == 0 else args.rules[::-1]:
+                    desc = f"{name} {rule}" + (f" seed {seed}" if len(seeds) > 1 else "") \
+                        + (f" pass {rep + 1}/{args.repeats}" if args.repeats > 1 else "")
+                    with _progress(len(prompts) * args.max_tokens, desc, args.no_progress) as bar:
+                        t0 = time.perf_counter()
+                        with timers[rule].active() if args.profile else contextlib.nullcontext():
                             res = engine.generate(prompts, args.max_tokens, rule=rule, temperature=args.temperature,
                                                   seed=seed, stop_ids=stop_ids, progress=bar.update)
-                    else:
-                        res = engine.generate(prompts, args.max_tokens, rule=rule, temperature=args.temperature,
-                                              seed=seed, stop_ids=stop_ids, progress=bar.update)
-                    wall = time.perf_counter() - t0
-                per[name][rule][seed] = aggregate(res, rule, wall, block_size)
+                        wall[rule] += time.perf_counter() - t0
+                    first.setdefault(rule, res)    # a pass with the same seed decodes the same tokens
+            for rule in args.rules:
+                per[name][rule][seed] = aggregate(first[rule], rule, wall[rule] / args.repeats, block_size)
             if "ar" in args.rules:
                 ar_tps = per[name]["ar"][seed]["tokens_per_s"]
                 for rule in args.rules:
@@ -420,6 +429,7 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "temperature": args.temperature,
             "seeds": seeds,
             "limit": args.limit,
+            "repeats": args.repeats,
             "batch_size": args.batch_size,
             "block_size": block_size,
             "top_k": engine.runner.model.cfg.head.top_k if engine.runner is not None and

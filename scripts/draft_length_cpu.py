@@ -7,7 +7,8 @@ of `lilicorr` beside `ar`, greedy, through the same evaluation code as `python -
         --limit 8 --max-tokens 64 --concurrency 1,2,4,8 --lengths block,auto --out results/draft_length_cpu
 
 Each (concurrency, draft length) cell is one evaluation run of `ar` and `lilicorr` on the same
-prompts in one process, so each cell's speedup compares runs made minutes apart. "block" verifies
+prompts in one process; with --repeats R the two take turns R times (A B B A ...), so that a shared
+machine's slow and fast minutes fall on both. "block" verifies
 the whole block; auto chooses per row and step from the lattice's scores and the verify cost
 measured at start-up. Writes OUT.json, OUT.md and OUT.png.
 """
@@ -25,7 +26,7 @@ def run_cell(args, concurrency: int, length: str) -> dict:
 
     argv = ["--target", args.target, "--ckpt", args.ckpt, "--prompts", args.suites, "--limit", str(args.limit),
             "--max-tokens", str(args.max_tokens), "--rules", "ar,lilicorr", "--batch-size", str(concurrency),
-            "--threads", str(args.threads), "--dtype", args.dtype]
+            "--threads", str(args.threads), "--dtype", args.dtype, "--repeats", str(args.repeats)]
     if length != "block":
         argv += ["--draft-length", length]
     doc = evaluate(argv)
@@ -75,6 +76,8 @@ def main(argv=None) -> int:
     p.add_argument("--lengths", default="block,auto", help="draft lengths: block, auto or N")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="auto", help="target precision (eval's --dtype)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes per cell, ar and lilicorr in turn (eval's --repeats)")
     p.add_argument("--note", default="")
     p.add_argument("--out", required=True, help="output path without suffix (.json, .md, .png)")
     args = p.parse_args(argv)
@@ -83,8 +86,9 @@ def main(argv=None) -> int:
         for length in args.lengths.split(","):
             print(f"[draft_length_cpu] concurrency={conc} draft length={length}", file=sys.stderr, flush=True)
             cells.append(run_cell(args, conc, length))
+    passes = f", {args.repeats} interleaved timed passes per cell" if args.repeats > 1 else ""
     body = (f"Greedy, {args.limit} prompts per suite ({args.suites}) pooled, up to {args.max_tokens} new tokens, "
-            f"target precision {cells[0]['dtype']}, {args.threads} thread(s). {args.note}\n\n{table(cells)}\n\n"
+            f"target precision {cells[0]['dtype']}, {args.threads} thread(s){passes}. {args.note}\n\n{table(cells)}\n\n"
             "![lilicorr / ar]({png})\n")
     print(write_report(args.out, "scripts/draft_length_cpu.py", argv,
                        "Draft length: whole block against auto, per concurrency, on this CPU", body,

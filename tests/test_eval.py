@@ -191,6 +191,23 @@ def test_eval_greedy_with_several_seeds_runs_once(setup, tmp_path, capsys):
     assert doc["results"]["chat"]["argmax"]["num_seeds"] == 1
 
 
+def test_eval_repeats_interleave_the_rules_and_keep_the_first_pass(setup, tmp_path, generated):
+    """--repeats 3 times every rule three times per suite in the order A B, B A, A B, and reports
+    tau and token counts of the first pass (a greedy pass decodes the same tokens every time)."""
+    rc, out = _run(setup, tmp_path, "--repeats", "3", "--no-plots", "--warmup", "0", rules="ar,lilicorr",
+                   prompts=str(setup["a"]))
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["repeats"] == 3
+    timed = [c for c in generated if c["max_tokens"] == 10]
+    assert [c["rule"] for c in timed] == ["ar", "lilicorr", "lilicorr", "ar", "ar", "lilicorr"]
+    for rule in ("ar", "lilicorr"):
+        runs = [c["tokens"] for c in timed if c["rule"] == rule]
+        assert runs[0] == runs[1] == runs[2]
+        assert doc["results"]["chat"][rule]["generated_tokens"] == sum(map(len, runs[0]))
+    assert doc["results"]["chat"]["lilicorr"]["tokens_per_s"] > 0
+
+
 def test_eval_untrained_ar_only_and_skipped_prompts(setup, tmp_path, capsys):
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"prompt": "hello " * 200}) + "\n" + json.dumps({"prompt": "hello world"}) + "\n")
@@ -215,6 +232,7 @@ def test_eval_untrained_ar_only_and_skipped_prompts(setup, tmp_path, capsys):
     (("--seed", "1,x"), "--seed must be an integer"),
     (("--temperature", "-1"), "--temperature must be a finite number"),
     (("--block-size", "4"), "--block-size only applies with --untrained"),
+    (("--repeats", "0"), "--repeats must be positive"),
 ])
 def test_eval_rejects_bad_arguments(setup, tmp_path, capsys, argv_change, message):
     argv = {"--target": str(setup["path"]), "--ckpt": str(setup["ckpt"]), "--prompts": str(setup["a"]),
