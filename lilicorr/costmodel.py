@@ -55,15 +55,16 @@ def measure_forward_times(target, rows: int = 1, ks=range(1, 17), context: int =
 
 class CostModel:
     """t_N(k) / t_N(1) per number of rows N, measured on first use of N (rounded up to a power of
-    two, so a handful of measurements covers every load). `draft_cost` holds the drafter's cost in
-    plain steps per N, kept as a running mean of what the engine measures while it drafts."""
+    two, so a handful of measurements covers every load). `draft_seconds` holds the drafter pass's
+    wall time per number of drafting rows D (same buckets), a running mean of what the engine
+    measures while it drafts; `draft_cost_at` prices it in plain steps of the current load."""
 
     def __init__(self, target, max_k: int, capture=(), reps: int = 5, context: int = 128):
         self.target, self.max_k, self.capture = target, max_k, list(capture)
         self.reps, self.context = reps, context
         self._ratios: dict[int, list[float]] = {}     # bucket -> [ratio k=1..max_k] (index k-1)
         self.step_seconds: dict[int, float] = {}      # bucket -> t_N(1)
-        self.draft_cost: dict[int, float] = {}        # bucket -> drafter seconds / t_N(1)
+        self.draft_seconds: dict[int, float] = {}     # bucket of drafting rows D -> drafter seconds
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -89,23 +90,25 @@ class CostModel:
         r = self.ratios(rows)
         return r[min(max(k, 1), len(r)) - 1]
 
-    def draft_cost_at(self, rows: int) -> float:
-        """The drafter's cost in plain steps at `rows` rows: its bucket's running mean; before that
-        bucket has seen a drafter pass, the nearest such bucket's (in powers of two; the smaller on a
-        tie); 0.0 before any pass was seen."""
-        b = self.bucket(rows)
-        if b in self.draft_cost:
-            return self.draft_cost[b]
-        seen = sorted(self.draft_cost, key=lambda x: (abs(x.bit_length() - b.bit_length()), x > b))
-        return self.draft_cost[seen[0]] if seen else 0.0
-
-    def observe_draft(self, rows: int, seconds: float) -> None:
-        """Fold one measured drafter pass (context append + draft) into the drafter's cost."""
-        b = self.bucket(rows)
+    def draft_cost_at(self, rows: int, drafting: int | None = None) -> float:
+        """The cost, in plain steps at `rows` rows, of a drafter pass over `drafting` of them (default:
+        all): the running mean of its bucket's passes; before that bucket has seen a pass, the
+        nearest such bucket's (in powers of two; the smaller on a tie); 0.0 before any pass."""
+        d = self.bucket(rows if drafting is None else drafting)
+        if d not in self.draft_seconds:
+            seen = sorted(self.draft_seconds, key=lambda x: (abs(x.bit_length() - d.bit_length()), x > d))
+            if not seen:
+                return 0.0
+            d = seen[0]
         self.ratios(rows)
-        c = seconds / self.step_seconds[b]
-        old = self.draft_cost.get(b)
-        self.draft_cost[b] = c if old is None else 0.8 * old + 0.2 * c
+        return self.draft_seconds[d] / self.step_seconds[self.bucket(rows)]
+
+    def observe_draft(self, drafting: int, seconds: float) -> None:
+        """Fold one measured drafter pass over `drafting` rows (context append + draft) into the
+        drafter's cost."""
+        d = self.bucket(drafting)
+        old = self.draft_seconds.get(d)
+        self.draft_seconds[d] = seconds if old is None else 0.8 * old + 0.2 * seconds
 
 
 def best_length(expected: list[float], cost: list[float], draft_cost: float) -> tuple[int, float]:

@@ -29,9 +29,11 @@ observed acceptance) give the expected tokens E(L) of verifying L drafts; a `Cos
 this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows N and the drafter's
 cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
-under load speculation degrades to plain decoding. Such a row probes (drafts anyway) now and then;
-probes back off while probing steps commit fewer tokens than plain steps would have for their
-measured cost. A new row starts from the acceptance observed over all rows so far, so a weak
+under load speculation degrades to plain decoding. Such rows probe (draft anyway) now and then,
+one row at a time for the whole batch (the one longest without a verified draft), so rows that
+start together do not all pay for a drafter pass at once; probes back off while probing steps commit
+fewer tokens than plain steps would have for their measured cost (drafter passes are priced by the
+number of rows that draft). A new row starts from the acceptance observed over all rows so far, so a weak
 drafter's new rows do not draft by default. Every choice of L is
 lossless: verification is unchanged, only fewer drafts are checked.
 State kept per row after each step: the anchor (last committed token, not yet in the target
@@ -115,9 +117,10 @@ class _Seq:
     # candidate pools) of steps whose oracle prefix is not settled yet (truth not known far enough)
     truth: list[int] = field(default_factory=list)
     open_pools: list = field(default_factory=list)
-    # adaptive draft length: per-slot conditional acceptance of this row (EMA) and probe countdown
+    # adaptive draft length: per-slot conditional acceptance of this row (EMA) and the steps since it
+    # last verified drafts (the probe order)
     accept_rate: list[float] = field(default_factory=list)
-    skip: int = 0
+    idle: int = 0
 
     @property
     def anchor_pos(self) -> int:
@@ -212,9 +215,10 @@ class SpecEngine:
         # (a weak drafter's new rows start pessimistic instead of drafting until their own history
         # catches up: under load those first blocks widen every row's verify)
         self._prior = [0.6] * max(self.block_size - 1, 0)
-        # probes wait PROBE_EVERY x rows x this many steps: doubled after a probing step that
+        # one row probes per PROBE_EVERY x this many steps: doubled after a probing step that
         # committed fewer tokens than its cost in plain steps, back to 1 after one that paid
         self._probe_scale = 1
+        self._probe_wait = self.PROBE_EVERY        # steps until the next probe
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -458,12 +462,15 @@ class SpecEngine:
         with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():   # which rows draft
             if auto:
                 cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
-                draft_cost = self.cost.draft_cost_at(n)
-                wish = [self._wants_draft(s, cost, draft_cost, n) for s in seqs]
-                drafting = self._batch_drafting(wish, seqs, cost, draft_cost)
+                one_row = self.cost.draft_cost_at(n, 1)
+                wish = [self._wants_draft(s, cost, one_row) for s in seqs]
+                self._schedule_probe(wish, seqs)
+                drafting = self._batch_drafting(wish, seqs, cost, lambda d: self.cost.draft_cost_at(n, d))
             else:
                 wish, drafting = [None] * n, [True] * n
             d_idx = [i for i in range(n) if drafting[i]]
+            for i, s in enumerate(seqs):
+                s.idle = 0 if drafting[i] else s.idle + 1
             dseqs = [seqs[i] for i in d_idx]
             prop = None
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
@@ -472,7 +479,7 @@ class SpecEngine:
             sel = torch.tensor(d_idx, device=dev)
             prop = self._draft(dseqs, anchors[sel], apos[sel])
             if auto:
-                self.cost.observe_draft(n, time.perf_counter() - t0)
+                self.cost.observe_draft(len(d_idx), time.perf_counter() - t0)
         # drafts verified per row
         lengths = [0] * n
         probs = None
@@ -487,6 +494,9 @@ class SpecEngine:
                         expected[i] = _expected(rates)
                         lengths[i] = best_length(expected[i], cost, 0.0)[0]     # the draft is paid for
                     lengths = _batch_cap(lengths, expected, cost)
+                    for i in d_idx:                # a probe verifies at least one draft: it is there to learn
+                        if wish[i] == "probe":
+                            lengths[i] = max(lengths[i], 1)
                 else:
                     for i in d_idx:
                         lengths[i] = self.draft_length or (b - 1)
@@ -527,7 +537,7 @@ class SpecEngine:
                 self._settle_oracle(s)
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
             if "probe" in wish:
-                paid = cost[max(lengths)] + self.cost.draft_cost_at(n)
+                paid = cost[max(lengths)] + self.cost.draft_cost_at(n, len(d_idx))
                 self._probe_outcome(sum(e.accepted for e in events), paid, n)
         return events
 
@@ -646,26 +656,34 @@ class SpecEngine:
             cur = nxt
 
     # -- adaptive draft length -----------------------------------------------------------------
-    PROBE_EVERY = 16        # a batch that stopped drafting probes about once per this many steps
+    PROBE_EVERY = 16        # a batch that stopped drafting probes one row per this many steps
     PRIOR_RATE = 0.05       # weight of one verified draft in the acceptance new rows start from
     ACCEPT_RATE = 0.3       # weight of one verified draft in a row's own acceptance history (0.1 drafted
                             # more at concurrency 1, tau 1.16 -> 1.24, but was not faster: 1.06x ar at 1, 0.96x at 4)
 
     PROBE_BACKOFF_MAX = 8   # probes back off to at most once per PROBE_EVERY x this many steps
 
-    def _wants_draft(self, s: _Seq, cost: list[float], draft_cost: float, rows: int) -> str | None:
-        """Row `s`'s wish this step: "gain" when its recent acceptance pays for the drafter at
-        today's load, "probe" when it is time to try again (each row every PROBE_EVERY x rows x the
-        probe back-off plain steps, so the batch as a whole probes about once per PROBE_EVERY x
-        back-off steps), else None."""
-        if best_length(_expected(s.accept_rate), cost, draft_cost)[0] > 0:
-            s.skip = 0
-            return "gain"
-        if s.skip > 0:
-            s.skip -= 1
-            return None
-        s.skip = self.PROBE_EVERY * rows * self._probe_scale
-        return "probe"
+    @staticmethod
+    def _wants_draft(s: _Seq, cost: list[float], draft_cost: float) -> str | None:
+        """Row `s`'s wish this step: "gain" when its recent acceptance pays for a drafter pass of its
+        own (`draft_cost`, in plain steps) at today's load, else None (`_schedule_probe` may make
+        it a probe)."""
+        return "gain" if best_length(_expected(s.accept_rate), cost, draft_cost)[0] > 0 else None
+
+    def _schedule_probe(self, wish: list[str | None], seqs: list[_Seq]) -> None:
+        """One probe per PROBE_EVERY x back-off steps for the whole batch: the row without a gain
+        that has gone longest without verifying drafts becomes "probe" (in `wish`). Rows that join
+        together take turns instead of all probing on their first step: under load a probe costs
+        its own drafter pass and widens every row's verify, and a new row already starts from the
+        acceptance every row has shown (the prior)."""
+        idle = [i for i, w in enumerate(wish) if w is None]
+        if not idle:
+            return
+        self._probe_wait -= 1
+        if self._probe_wait > 0:
+            return
+        wish[max(idle, key=lambda i: seqs[i].idle)] = "probe"
+        self._probe_wait = self.PROBE_EVERY * self._probe_scale
 
     def _probe_outcome(self, tokens: int, paid: float, rows: int) -> None:
         """A step with a probe committed `tokens` over its `rows` rows for `paid` plain steps
@@ -680,13 +698,15 @@ class SpecEngine:
 
     @staticmethod
     def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: list[float],
-                        draft_cost: float) -> list[bool]:
+                        draft_cost_of) -> list[bool]:
         """Which rows draft. Every row of a step pays for the longest verify and for the drafter
-        pass, so the rows that would gain draft only if the whole batch commits more tokens per unit
-        cost than a plain step (n tokens for 1); probes always draft."""
+        pass (draft_cost_of(D): its cost in plain steps over D drafting rows), so the rows that would
+        gain draft only if the whole batch commits more tokens per unit cost than a plain step (n
+        tokens for 1); probes always draft."""
         n = len(seqs)
         gain = [i for i, w in enumerate(wish) if w == "gain"]
         if gain:
+            draft_cost = draft_cost_of(len(gain) + wish.count("probe"))
             exp = {i: _expected(seqs[i].accept_rate) for i in gain}
             lens = {i: best_length(exp[i], cost, draft_cost)[0] for i in gain}
             tokens = n - len(gain) + sum(exp[i][lens[i]] for i in gain)

@@ -593,7 +593,7 @@ def _set_costs(engine, verify_ratio, step_seconds):
     for b in (1, 2, 4, 8):
         cm._ratios[b] = [verify_ratio(k) for k in range(1, cm.max_k + 1)]
         cm.step_seconds[b] = step_seconds
-        cm.draft_cost.pop(b, None)
+        cm.draft_seconds.pop(b, None)
 
 
 @pytest.mark.parametrize("draft_length", [1, 2, "auto"])
@@ -653,6 +653,26 @@ def test_auto_draft_length_probes_back_off_while_they_do_not_pay(tiny_target_dir
     _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)   # drafting always pays
     run_requests(engine, reqs, runner=runner)
     assert engine._probe_scale == 1
+
+
+def test_auto_draft_length_probes_one_row_at_a_time(tiny_target_dir):
+    """Where drafting never pays, rows that start together do not all probe on their first step:
+    every drafter pass drafts for one row, the batch probes once per PROBE_EVERY steps, and
+    the rows take turns (the one longest without a verified draft). Outputs stay the target's."""
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
+    engine.PROBE_EVERY = engine._probe_wait = 3
+    engine.PROBE_BACKOFF_MAX = 1
+    _set_costs(engine, lambda k: float(k), step_seconds=1e-12)   # any drafter pass costs >> a step
+    passes, draft = [], runner.draft
+    runner.draft = lambda slots, *a, **k: passes.append(len(slots)) or draft(slots, *a, **k)
+    results, events = run_requests(engine, reqs, runner=runner)
+    for req, r in zip(reqs, results):
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+    spec = [i for i, req in enumerate(reqs) if req["rule"] != "ar"]
+    assert len(spec) >= 4 and passes and set(passes) == {1}, passes
+    probed = [i for i in spec if any(e.drafted for e in events[i][1:])]
+    assert len(probed) >= 3, probed                              # several rows had their turn
 
 
 def test_auto_draft_length_new_rows_start_from_the_observed_acceptance(tiny_target_dir):
@@ -868,23 +888,32 @@ def test_auto_draft_length_decides_for_the_whole_batch():
     assert _batch_cap([3, 0, 0, 0], [gain, [1.0], [1.0], [1.0]], cost) == [0, 0, 0, 0]   # 4.9 / 1.5 < 4
     assert _batch_cap([2, 2], [gain, gain], cost) == [1, 1]
     rows = [type("Row", (), {"accept_rate": [0.9, 0.6, 0.3]})() for _ in range(4)]
-    both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, cost, 0.1)
+    both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, cost, lambda d: 0.1)
     assert both == [False, False, False, True]            # one row's gain does not pay for four rows
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, 0.1) == [True] * 4
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.1) == [True] * 4
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.05 * d) == [True] * 4
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.5 * d) == [False] * 4  # 4 rows' pass
 
 
 def test_draft_cost_of_an_unseen_load_is_the_nearest_seen_one():
-    """Before a load bucket has seen a drafter pass its drafter cost is the nearest bucket's that
-    has (the smaller one on a tie), not free; with none seen it is 0."""
+    """A drafter pass is priced by how many rows draft, in plain steps of the current load. Before a
+    number of drafting rows (its bucket) has seen a pass, the nearest bucket's that has (the
+    smaller one on a tie) stands in, not free; with none seen it is 0."""
     from lilicorr.costmodel import CostModel
     cm = CostModel(target=None, max_k=4)
+    for b, step in ((1, 1.0), (2, 1.0), (4, 2.0), (8, 4.0), (16, 4.0)):
+        cm._ratios[b], cm.step_seconds[b] = [1.0] * 4, step
     assert cm.draft_cost_at(3) == 0.0
-    cm.draft_cost.update({1: 0.5, 8: 2.0})
-    assert cm.draft_cost_at(1) == 0.5 and cm.draft_cost_at(8) == 2.0
-    assert cm.draft_cost_at(2) == 0.5 and cm.draft_cost_at(4) == 2.0      # nearest power of two
-    assert cm.draft_cost_at(16) == 2.0
-    cm.draft_cost = {1: 0.5, 4: 1.0}
-    assert cm.draft_cost_at(2) == 0.5                                       # a tie: the smaller load
+    cm.observe_draft(1, 0.5)
+    cm.observe_draft(8, 2.0)
+    assert cm.draft_cost_at(1) == 0.5 and cm.draft_cost_at(8) == 0.5        # 2 s at a 4 s step
+    assert cm.draft_cost_at(8, drafting=1) == 0.125                         # one row drafts at 8 rows
+    assert cm.draft_cost_at(2) == 0.5 and cm.draft_cost_at(4) == 1.0        # nearest power of two
+    assert cm.draft_cost_at(16) == 0.5
+    cm.observe_draft(8, 4.0)                                                # a running mean
+    assert cm.draft_cost_at(8) == pytest.approx((0.8 * 2.0 + 0.2 * 4.0) / 4.0)
+    cm.draft_seconds = {1: 0.5, 4: 1.0}
+    assert cm.draft_cost_at(2) == 0.5                                       # a tie: the smaller count
 
 
 def test_measure_costs_covers_every_load_before_serving(tiny_target_dir):
@@ -898,8 +927,8 @@ def test_measure_costs_covers_every_load_before_serving(tiny_target_dir):
     engine.measure_costs()
     want = {CostModel.bucket(r) for r in range(1, engine.max_batch + 1)}
     assert set(engine.cost._ratios) == want and max(want) >= engine.max_batch
-    assert set(engine.cost.draft_cost) == want                  # the drafter's cost too, per bucket
-    assert all(c > 0 for c in engine.cost.draft_cost.values())
+    assert set(engine.cost.draft_seconds) == want               # the drafter's cost too, per bucket
+    assert all(c > 0 for c in engine.cost.draft_seconds.values())
     assert all(runner.context_length(s) == 0 for s in range(engine.max_batch))   # its slots freed
     measured = dict(engine.cost._ratios)
     results, _ = run_requests(engine, reqs, runner=runner)
