@@ -34,13 +34,21 @@ def pack_fp16(weight: torch.Tensor) -> torch.Tensor:
         return torch.fbgemm_pack_gemm_matrix_fp16(weight.detach().float().contiguous())
 
 
+_linear_warned = False     # the op's deprecation warning is a warn-once in ATen: silence only the first call
+
+
 def fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
     """x [..., I] (any float dtype) @ packed^T + bias -> float32 [..., O]."""
+    global _linear_warned
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()              # [M, I]
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
+    if _linear_warned:          # a catch_warnings block per call costs more than a small GEMM's setup
         y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)          # [M, O]
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
+            y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)
+        _linear_warned = True
     return y.view(*shape, out_features)
 
 
