@@ -103,12 +103,17 @@ class CostModel:
         self.ratios(rows)
         return self.draft_seconds[d] / self.step_seconds[self.bucket(rows)]
 
-    def observe_draft(self, drafting: int, seconds: float) -> None:
+    def observe_draft(self, drafting: int, seconds: float, replace: bool = False) -> None:
         """Fold one measured drafter pass over `drafting` rows (context append + draft) into the
-        drafter's cost."""
+        drafter's cost: a running mean, where one pass counts for at most 3x the mean so far (a
+        first call's one-off costs, or a long context catch-up, must not price drafting out for
+        good); `replace` sets it (a controlled start-up measurement)."""
         d = self.bucket(drafting)
         old = self.draft_seconds.get(d)
-        self.draft_seconds[d] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        if old is None or replace:
+            self.draft_seconds[d] = seconds
+        else:
+            self.draft_seconds[d] = 0.8 * old + 0.2 * min(seconds, 3 * old)
 
 
 def best_length(expected: list[float], cost: list[float], draft_cost: float) -> tuple[int, float]:

@@ -286,7 +286,7 @@ class SpecEngine:
                 self.runner.append_context(sl, [state[0, None]] * rows, pos)
                 self.runner.draft(sl, zero, pos + 1, state, rules)
                 if timed:
-                    self.cost.observe_draft(rows, time.perf_counter() - t0)
+                    self.cost.observe_draft(rows, time.perf_counter() - t0, replace=True)
         finally:
             for slot in slots:
                 self.runner.free(slot)
@@ -475,11 +475,13 @@ class SpecEngine:
             prop = None
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
             apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
+        draft_s = 0.0
         if dseqs:
             sel = torch.tensor(d_idx, device=dev)
             prop = self._draft(dseqs, anchors[sel], apos[sel])
+            draft_s = time.perf_counter() - t0
             if auto:
-                self.cost.observe_draft(len(d_idx), time.perf_counter() - t0)
+                self.cost.observe_draft(len(d_idx), draft_s)
         # drafts verified per row
         lengths = [0] * n
         probs = None
@@ -537,7 +539,8 @@ class SpecEngine:
                 self._settle_oracle(s)
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
             if "probe" in wish:
-                paid = cost[max(lengths)] + self.cost.draft_cost_at(n, len(d_idx))
+                # this step's own drafter time: a probing row first catches up its context
+                paid = cost[max(lengths)] + draft_s / self.cost.step_seconds[self.cost.bucket(n)]
                 self._probe_outcome(sum(e.accepted for e in events), paid, n)
         return events
 
@@ -661,7 +664,7 @@ class SpecEngine:
     ACCEPT_RATE = 0.3       # weight of one verified draft in a row's own acceptance history (0.1 drafted
                             # more at concurrency 1, tau 1.16 -> 1.24, but was not faster: 1.06x ar at 1, 0.96x at 4)
 
-    PROBE_BACKOFF_MAX = 8   # probes back off to at most once per PROBE_EVERY x this many steps
+    PROBE_BACKOFF_MAX = 16  # probes back off to at most once per PROBE_EVERY x this many steps
 
     @staticmethod
     def _wants_draft(s: _Seq, cost: list[float], draft_cost: float) -> str | None:

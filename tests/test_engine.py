@@ -912,6 +912,10 @@ def test_draft_cost_of_an_unseen_load_is_the_nearest_seen_one():
     assert cm.draft_cost_at(16) == 0.5
     cm.observe_draft(8, 4.0)                                                # a running mean
     assert cm.draft_cost_at(8) == pytest.approx((0.8 * 2.0 + 0.2 * 4.0) / 4.0)
+    cm.observe_draft(1, 500.0)                              # a one-off pass counts for 3x the mean at most
+    assert cm.draft_cost_at(1) == pytest.approx(0.8 * 0.5 + 0.2 * 1.5)
+    cm.observe_draft(1, 0.25, replace=True)                 # a start-up measurement sets it
+    assert cm.draft_cost_at(1) == 0.25
     cm.draft_seconds = {1: 0.5, 4: 1.0}
     assert cm.draft_cost_at(2) == 0.5                                       # a tie: the smaller count
 
