@@ -30,7 +30,7 @@ this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows
 cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
 under load speculation degrades to plain decoding. Such rows probe (draft anyway) now and then,
-one row at a time for the whole batch (the one longest without a verified draft), so rows that
+one row at a time for the whole batch (the one that has gone longest without drafting), so rows that
 start together do not all pay for a drafter pass at once; probes back off while probing steps commit
 fewer tokens than plain steps would have for their measured cost (drafter passes are priced by the
 number of rows that draft). A new row starts from the acceptance observed over all rows so far, so a weak
@@ -118,7 +118,7 @@ class _Seq:
     truth: list[int] = field(default_factory=list)
     open_pools: list = field(default_factory=list)
     # adaptive draft length: per-slot conditional acceptance of this row (EMA) and the steps since it
-    # last verified drafts (the probe order)
+    # last drafted (the probe order)
     accept_rate: list[float] = field(default_factory=list)
     idle: int = 0
 
@@ -514,20 +514,21 @@ class SpecEngine:
         events = []
         with stage(STAGE_ACCEPT):
             logits = out.logits                                               # [N, T, V]
-            greedy = logits.argmax(-1).cpu()                                  # [N, T]
-            block = block.cpu()
+            greedy = logits.argmax(-1).tolist()                               # [N][T]
+            block = block.tolist()                                            # [N][T]
             pools = prop.cand_ids.cpu().tolist() if prop is not None else None  # [D][S][K]
             where = {i: j for j, i in enumerate(d_idx)}
             new_len = []
             for i, s in enumerate(seqs):
                 n_d = lengths[i]
-                drafts = block[i, 1: 1 + n_d].tolist()
+                drafts = block[i][1: 1 + n_d]
                 if s.temperature > 0:
                     a, bonus = self._reject_sample(logits[i, : n_d + 1], drafts, s)
-                else:
-                    match = (block[i, 1: 1 + n_d] == greedy[i, :n_d]).long().cumprod(0)
-                    a = int(match.sum())
-                    bonus = int(greedy[i, a])
+                else:                     # the longest prefix of drafts equal to the target's argmax
+                    a = 0
+                    while a < n_d and drafts[a] == greedy[i][a]:
+                        a += 1
+                    bonus = greedy[i][a]
                 # oracle: settled against the target's own continuation once it is known
                 self._record(s, out.captured[i, : a + 1].clone(), min(a + 1, n_d), a,
                              pools[where[i]] if i in where else [])
@@ -675,7 +676,7 @@ class SpecEngine:
 
     def _schedule_probe(self, wish: list[str | None], seqs: list[_Seq]) -> None:
         """One probe per PROBE_EVERY x back-off steps for the whole batch: the row without a gain
-        that has gone longest without verifying drafts becomes "probe" (in `wish`). Rows that join
+        that has gone longest without drafting becomes "probe" (in `wish`). Rows that join
         together take turns instead of all probing on their first step: under load a probe costs
         its own drafter pass and widens every row's verify, and a new row already starts from the
         acceptance every row has shown (the prior)."""
