@@ -12,7 +12,8 @@ draft length) offline, plus `lilicorr` / `ar` through a real Triton server when 
 Every setting (precision:threads) runs every system on the same prompts in one process, systems taking
 turns per prompt, so load drift on a shared machine hits all of them alike; our systems share one
 target and one drafter in memory, as a server does (separate copies would also compete for the CPU's
-caches, which favoured whichever system ran from them). Writes OUT.json, OUT.md
+caches, which favoured whichever system ran from them). Through Triton, `ar` and `lilicorr` take
+turns per prompt the same way (one request at a time, streamed). Writes OUT.json, OUT.md
 and OUT.png (tokens/s per system, setting and suite). Re-run it when a new checkpoint lands.
 """
 from __future__ import annotations
@@ -116,11 +117,25 @@ def run_triton(args, suites: dict, dtype: str, threads: int, log) -> list[dict]:
         for rule in ("ar", "lilicorr") if args.warmup else ():
             run_cell(client, first[: args.warmup], rule, 1, args.max_tokens, None, None, None)
         for suite, prompts in suites.items():
-            for rule in ("ar", "lilicorr"):
-                cell, _ = run_cell(client, prompts, rule, 1, args.max_tokens, None, None, None)
+            # the rules take turns per prompt (in alternating order), as the offline systems do, so
+            # that a slow or fast minute of the shared machine falls on both
+            acc = {rule: {"tokens": 0, "seconds": 0.0, "accepted": 0, "steps": 0} for rule in ("ar", "lilicorr")}
+            for i, item in enumerate(prompts):
+                for rule in ("ar", "lilicorr") if i % 2 == 0 else ("lilicorr", "ar"):
+                    cell, _ = run_cell(client, [item], rule, 1, args.max_tokens, None, None, None)
+                    if cell["errors"]:
+                        raise RuntimeError(f"triton_{rule} on {suite}: {cell['error_messages']}")
+                    a = acc[rule]
+                    a["tokens"] += cell["output_tokens"]
+                    a["seconds"] += cell["wall_s"]
+                    a["accepted"] += cell["accepted_tokens"]
+                    a["steps"] += cell["verify_steps"]
+            for rule, a in acc.items():
                 rows.append({"suite": suite, "system": f"triton_{rule}", "dtype": dtype, "threads": threads,
-                             "tokens_per_s": cell["tokens_per_s"], "tau": cell.get("tau")})
-                log(f"[peers] {suite} {dtype}:{threads} triton_{rule:>8} {cell['tokens_per_s']:.1f} tok/s")
+                             "tokens": a["tokens"], "seconds": a["seconds"],
+                             "tokens_per_s": a["tokens"] / a["seconds"] if a["seconds"] else None,
+                             "tau": a["accepted"] / a["steps"] if a["steps"] else None})
+                log(f"[peers] {suite} {dtype}:{threads} triton_{rule:>8} {rows[-1]['tokens_per_s']:.1f} tok/s")
     finally:
         server.stop()
     return rows
