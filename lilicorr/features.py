@@ -103,20 +103,19 @@ def build_feature_store(target, sequences, capture: list[int], out_dir, batch_si
             "num_sequences": len(sequences), "lengths": [len(s.ids) for s in sequences],
             "dtype": str(dtype).removeprefix("torch."), "target_lse": True}
     num_shards = (len(sequences) + SHARD - 1) // SHARD
-    shard_ids: list[int] = []
 
     def fill(tmp: Path):
         finished = set(_finished_shards(tmp, meta, num_shards))
         done(sum(min((k + 1) * SHARD, len(sequences)) - k * SHARD for k in finished))
-        shard_ids[:] = [k for k in range(num_shards) if k not in finished]
+        todo = [k for k in range(num_shards) if k not in finished]
         if workers == 1:
-            _fill_shards(target, sequences, capture, tmp, shard_ids, batch_size, dtype, done)
+            _fill_shards(target, sequences, capture, tmp, todo, batch_size, dtype, done)
         else:
-            _fill_in_processes(tmp)
+            _fill_in_processes(tmp, todo)
         (tmp / "plan.json").unlink()
         (tmp / "meta.json").write_text(json.dumps(meta))
 
-    def _fill_in_processes(tmp: Path):
+    def _fill_in_processes(tmp: Path, shard_ids: list[int]):
         import multiprocessing as mp
         import time
 
