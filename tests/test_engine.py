@@ -657,8 +657,8 @@ def test_auto_draft_length_probes_back_off_while_they_do_not_pay(tiny_target_dir
 
 def test_auto_draft_length_probes_one_row_at_a_time(tiny_target_dir):
     """Where drafting never pays, rows that start together do not all probe on their first step:
-    every drafter pass drafts for one row, the batch probes once per PROBE_EVERY steps, and
-    the rows take turns (the one that has gone longest without drafting). Outputs stay the target's."""
+    every drafter pass drafts for one row (the batch probes one row per PROBE_EVERY steps), and the
+    rows take turns (the one that has gone longest without drafting). Outputs stay the target's."""
     path = tiny_target_dir("llama")
     engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
     engine.PROBE_EVERY = engine._probe_wait = 3
