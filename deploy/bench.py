@@ -22,7 +22,7 @@ from pathlib import Path
 from lilicorr.config import DEFAULT_TREE_NODES
 from lilicorr.data.suites import load_prompts
 from lilicorr.serving.benchmark import (add_comparisons, markdown_table, plot_speedup, request_kwargs,
-                                        run_cell, scrape_metrics, stage_delta)
+                                        run_cell, scrape_metrics, stage_delta, summarize_cell)
 from lilicorr.serving.client import GenerationError, LiLiCorrClient
 
 
@@ -45,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--warmup", type=int, default=1, help="untimed requests per rule before the run")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes per concurrency, the rules in turn and in reverse order every other pass "
+                        "(A B C C B A ...), so a shared machine's slow and fast minutes fall on every rule; "
+                        "a cell sums its passes (requests, tokens, wall, stage times)")
     p.add_argument("--json", required=True, help="output JSON path (the PNG plot goes next to it)")
     p.add_argument("--profile", action="store_true", help="per-cell stage decomposition from /metrics")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
                    "auto (default: the manifest's serving choice, else the whole block)")
     p.add_argument("--threads", type=int, default=0, help="with --engine: torch threads of the engine (0: default)")
     args = p.parse_args(argv)
+    if args.repeats < 1:
+        p.error(f"--repeats must be positive, got {args.repeats}")
 
     concurrencies = parse_list(args.concurrency, int)
     rules = parse_list(args.rules)
@@ -97,14 +103,25 @@ def main(argv: list[str] | None = None) -> int:
                 except GenerationError as e:
                     print(f"[bench] warm-up request failed ({rule}): {e}", file=sys.stderr)
         for c in concurrencies:
+            runs = {rule: {"results": [], "wall": 0.0, "metrics": {}} for rule in rules}
+            for rep in range(args.repeats):
+                for rule in rules if rep % 2 == 0 else rules[::-1]:
+                    before = scrape_metrics(metrics_url) if args.profile else None
+                    part, results = run_cell(client, prompts, rule, c, args.max_tokens, args.requests,
+                                             args.temperature, args.seed)
+                    run = runs[rule]
+                    run["results"] += results
+                    run["wall"] += part["wall_s"]
+                    if args.profile:                  # this pass's metric increments, summed over passes
+                        for k, v in scrape_metrics(metrics_url).items():
+                            run["metrics"][k] = run["metrics"].get(k, 0.0) + v - before.get(k, 0.0)
             for rule in rules:
-                before = scrape_metrics(metrics_url) if args.profile else None
-                cell, results = run_cell(client, prompts, rule, c, args.max_tokens, args.requests,
-                                         args.temperature, args.seed)
+                run = runs[rule]
+                cell = summarize_cell(rule, c, run["results"], run["wall"])
                 if args.profile:
-                    cell["stages"] = stage_delta(before, scrape_metrics(metrics_url))
+                    cell["stages"] = stage_delta({}, run["metrics"])
                 cells.append(cell)
-                outputs[(rule, c)] = results
+                outputs[(rule, c)] = run["results"]
                 print(f"[bench] {rule:>8} c={c:<3} {cell['tokens_per_s']:8.1f} tok/s  "
                       f"tau={cell['tau'] if cell['tau'] is None else round(cell['tau'], 2)}  "
                       f"errors={cell['errors']}", file=sys.stderr, flush=True)

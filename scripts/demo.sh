@@ -4,8 +4,10 @@
 # start a real Triton server on free loopback ports, send gRPC requests for the `ar`, `argmax` and
 # `lilicorr` rules side by side, and print tau, throughput and the Table 3 stage decomposition.
 #
+# The rules take turns twice per concurrency (A B C, then C B A), so that a shared machine's slow and
+# fast minutes fall on all of them.
 # Environment overrides: LILICORR_CKPT, LILICORR_SUITE, LILICORR_LIMIT, LILICORR_MAX_TOKENS,
-# LILICORR_CONCURRENCY.
+# LILICORR_CONCURRENCY, LILICORR_REPEATS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install.sh
@@ -23,5 +25,5 @@ mkdir -p "$out"
 python deploy/bench.py --engine "$engine" \
   --prompts "${LILICORR_SUITE:-humaneval}" --limit "${LILICORR_LIMIT:-8}" \
   --concurrency "${LILICORR_CONCURRENCY:-1,4}" --rules ar,argmax,lilicorr \
-  --max-tokens "${LILICORR_MAX_TOKENS:-64}" --profile --json "$out/bench.json"
+  --max-tokens "${LILICORR_MAX_TOKENS:-64}" --repeats "${LILICORR_REPEATS:-2}" --profile --json "$out/bench.json"
 echo "results: $out/bench.json (table, plot: $out/bench.png)"

@@ -1141,7 +1141,7 @@ def test_bench_cli(engine_server, tokenizer, reference, tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "deploy" / "bench.py"), "--url", engine_server.grpc_url,
                            "--metrics-url", engine_server.metrics_url, "--prompts", str(prompts), "--limit", "4",
                            "--concurrency", "1,4", "--rules", "lilicorr,ar,argmax", "--max-tokens", "8",
-                           "--json", str(out), "--profile"],
+                           "--json", str(out), "--profile", "--repeats", "2"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
@@ -1150,7 +1150,12 @@ def test_bench_cli(engine_server, tokenizer, reference, tmp_path):
                                                               (4, "ar"), (4, "lilicorr"), (4, "argmax")]
     for c in cells:
         refs = [reference(chat_ids(tokenizer, p), 8, c["rule"]) for p in texts]
-        assert c["errors"] == 0 and c["output_tokens"] == sum(len(r.tokens) for r in refs)
+        # two passes per cell (the rules in turn, then in reverse), summed
+        assert c["requests"] == 2 * len(texts) and c["errors"] == 0
+        assert c["output_tokens"] == 2 * sum(len(r.tokens) for r in refs)
+        assert c["stages"]["blocks"] > 0
+        if c["concurrency"] == 1:    # one request at a time: a block per verify step, both passes
+            assert c["stages"]["blocks"] >= 2 * sum(r.num_steps for r in refs)
         assert c["tokens_per_s"] > 0 and c["speedup"] > 0
         assert c["ttft_p50_ms"] is not None and c["tpot_p99_ms"] is not None
         if c["rule"] == "ar":
