@@ -100,8 +100,12 @@ class CostModel:
             if not seen:
                 return 0.0
             d = seen[0]
+        return self.plain_steps(rows, self.draft_seconds[d])
+
+    def plain_steps(self, rows: int, seconds: float) -> float:
+        """`seconds` in plain steps (t_N(1)) at `rows` rows."""
         self.ratios(rows)
-        return self.draft_seconds[d] / self.step_seconds[self.bucket(rows)]
+        return seconds / self.step_seconds[self.bucket(rows)]
 
     def observe_draft(self, drafting: int, seconds: float, replace: bool = False) -> None:
         """Fold one measured drafter pass over `drafting` rows (context append + draft) into the

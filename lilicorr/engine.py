@@ -461,7 +461,7 @@ class SpecEngine:
         # the draft-length policy's bookkeeping counts with accept/residual (a stage only when it runs)
         with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():   # which rows draft
             if auto:
-                cost = [self.cost.ratio(n, j + 1) for j in range(b)]      # cost[j]: verify j drafts
+                cost = self.cost.ratios(n)[:b]                           # cost[j]: verify j drafts
                 one_row = self.cost.draft_cost_at(n, 1)
                 wish = [self._wants_draft(s, cost, one_row) for s in seqs]
                 self._schedule_probe(wish, seqs)
@@ -541,7 +541,7 @@ class SpecEngine:
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
             if "probe" in wish:
                 # this step's own drafter time: a probing row first catches up its context
-                paid = cost[max(lengths)] + draft_s / self.cost.step_seconds[self.cost.bucket(n)]
+                paid = cost[max(lengths)] + self.cost.plain_steps(n, draft_s)
                 self._probe_outcome(sum(e.accepted for e in events), paid, n)
         return events
 
