@@ -1154,8 +1154,9 @@ def test_bench_cli(engine_server, tokenizer, reference, tmp_path):
         assert c["requests"] == 2 * len(texts) and c["errors"] == 0
         assert c["output_tokens"] == 2 * sum(len(r.tokens) for r in refs)
         assert c["stages"]["blocks"] > 0
-        if c["concurrency"] == 1:    # one request at a time: a block per verify step, both passes
-            assert c["stages"]["blocks"] >= 2 * sum(r.num_steps for r in refs)
+        if c["concurrency"] == 1:    # one request at a time: a block per verify step, both passes;
+            # a pass's last block may reach /metrics after that pass's closing scrape (then it is lost)
+            assert c["stages"]["blocks"] >= 2 * sum(r.num_steps for r in refs) - 2
         assert c["tokens_per_s"] > 0 and c["speedup"] > 0
         assert c["ttft_p50_ms"] is not None and c["tpot_p99_ms"] is not None
         if c["rule"] == "ar":
