@@ -3,7 +3,9 @@
     python convert/build_engine.py --ckpt out/ [--target DIR] [--out engines/NAME]
                                    [--backend onnxruntime|tensorrt|tensorrt-rtx]
 
-onnxruntime (default, CPU): ONNX graphs + ORT-optimised copies, validated against PyTorch.
+onnxruntime (default, CPU): ONNX graphs + ORT-optimised copies, validated against PyTorch, and
+int8 copies of the drafter's graphs that the engine serves (--draft-weights; drafts only: the target
+verifies every token).
 tensorrt: serialized TensorRT engines with the lilicorr plugins (needs `tensorrt`, NVIDIA's
 containers). tensorrt-rtx: TensorRT-RTX engines built on the CPU for SM80/86/89/120, with the
 plugins and, as a second variant, through the ONNX local functions. engines/README.md describes
@@ -39,6 +41,10 @@ def parse_args(argv=None):
     p.add_argument("--tree-nodes", type=int, default=None,
                    help="rule tree's node budget M built into the draft graph (lilicorr::DraftTree; default 16, "
                         "0: none; serving uses it unless told another M)")
+    p.add_argument("--draft-weights", default="auto", choices=("auto", "int8", "float32"),
+                   help="weights of the drafter graphs ONNX Runtime serves: int8 (dynamic quantization, per "
+                        "channel) or float32 (exactly the PyTorch drafter); auto (default): int8 for onnxruntime, "
+                        "float32 for TensorRT")
     p.add_argument("--yarn-factor", type=float, default=None, help="bake YaRN rope scaling into the graphs")
     p.add_argument("--tolerance", type=float, default=1e-3,
                    help="max abs error ORT vs PyTorch above which the build fails (default 1e-3)")
@@ -55,6 +61,7 @@ def main(argv=None) -> int:
                         compute_capabilities=args.compute_capabilities.split(",") if args.compute_capabilities else None,
                         yarn_factor=args.yarn_factor, tolerance=args.tolerance,
                         dtype=args.serve_dtype, draft_length=args.draft_length,
+                        draft_weights=args.draft_weights,
                         **({} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}),
                         log=lambda *a: print(*a, flush=True))
     try:
@@ -67,7 +74,11 @@ def main(argv=None) -> int:
     v = m["validation"]
     print(f"engine {out}  backend={m['backend']}  B={m['block_size']} K={m['top_k']} sigma={m['sigma']}  "
           f"max_abs_err={v['max_abs_err']:.3g}  tokens_equal={v['draft']['tokens_equal']}  "
-          f"cand_ids_equal={v['draft']['cand_ids_equal']}")
+          f"cand_ids_equal={v['draft']['cand_ids_equal']}  draft_weights={m.get('draft_weights', 'float32')}")
+    if "int8" in v:
+        q = v["int8"]
+        print(f"  int8 drafter: token agreement {q['token_agreement']:.1%}, candidate ids {q['cand_id_agreement']:.1%} "
+              f"with PyTorch on the sample inputs, max abs err {q['max_abs_err']:.3g}")
     if m.get("tensorrt"):
         for k, p in m["tensorrt"]["plans"].items():
             print(f"  {p['file']}: plugins={p['plugins']} ({p['size_bytes']} bytes, {p['build_s']} s)")

@@ -14,6 +14,11 @@ Two graphs, so the drafter's context cache lives outside them (in the runtime's 
     draft.{backbone,lm_head,head}.onnx  draft.onnx cut at slot_hidden and slot_logits (`split_draft`):
                   one ONNX Runtime session per stage of the stage table; bit-identical to draft.onnx
 
+For ONNX Runtime the build also saves ORT-optimised copies (*.ort.onnx) and, with int8 draft
+weights (`BuildOptions.draft_weights`, the default there), their int8 copies (*.int8.onnx, ONNX
+Runtime dynamic quantization: `quantize_onnxruntime`), which the engine then serves. The drafter
+only proposes and the target verifies every token, so int8 weights change drafts, never outputs.
+
 N (rows), T (new context tokens) and C (cached context length) are dynamic. The draft graph of a
 LiLiCorr checkpoint carries the custom nodes lilicorr::LatticeMatch, lilicorr::GreedyWalk and
 lilicorr::DraftTree
@@ -58,6 +63,13 @@ DRAFT_PARTS = ("backbone", "lm_head", "head")
 DRAFT_PART_FILES = {p: f"draft.{p}.onnx" for p in DRAFT_PARTS}
 DRAFT_PART_STAGES = {"backbone": STAGE_DRAFT, "lm_head": STAGE_LM_HEAD, "head": STAGE_HEAD}
 ORT_SUFFIX = ".ort.onnx"
+INT8_SUFFIX = ".int8.onnx"
+# the drafter's weights in the graphs ONNX Runtime serves: int8 (dynamic quantization, per output
+# channel) or float32 (the exact compiled copy of the PyTorch drafter); auto = int8 for onnxruntime
+DRAFT_WEIGHTS = ("auto", "int8", "float32")
+# int8 drafts may differ from PyTorch's near ties; the build fails if fewer of the sample rows'
+# drafted tokens than this agree with PyTorch's (a broken quantization, not rounding)
+INT8_MIN_TOKEN_AGREEMENT = 0.5
 OPSET = 20
 ORT_LEVEL = "ORT_ENABLE_EXTENDED"    # saved optimised graphs stay portable across CPUs
 DEFAULT_TARGET = REPO / ".cache" / "smollm2-135m-instruct-float32"
@@ -405,6 +417,16 @@ def validate_split(model, draft_path, part_paths: dict, draft_cases=DRAFT_CASES)
     return rep
 
 
+def check_split_drafts(model, folder: Path, files: dict, draft_cases, what: str) -> dict:
+    """`validate_split` of the graphs `files` names in `folder` (graph -> file: draft and
+    draft_<part>); raises BuildError unless the parts draft the whole graph's tokens and candidates."""
+    rep = validate_split(model, folder / files["draft"], {p: folder / files[f"draft_{p}"] for p in DRAFT_PARTS},
+                         draft_cases)
+    if not (rep["tokens_equal"] and rep["cand_ids_equal"]):
+        raise BuildError(f"the {what} draft parts draft other tokens than the {what} whole graph {files['draft']}")
+    return rep
+
+
 def graph_summary(proto) -> dict:
     """Opset, custom nodes (with their attributes) and local functions of an exported graph."""
     from onnx import helper
@@ -488,6 +510,55 @@ def optimize_onnxruntime(src, dst, level: str = ORT_LEVEL) -> None:
         raise RuntimeError(f"onnxruntime did not write the optimised model {dst}")
 
 
+def quantize_onnxruntime(src, dst) -> dict:
+    """int8 copy of an ORT-optimised graph: every MatMul / Gemm with a constant weight gets int8
+    weights, one scale per output channel, and its activations are quantized per tensor at run time
+    (ONNX Runtime dynamic quantization: DynamicQuantizeLinear + MatMulInteger, fused to
+    DynamicQuantizeMatMul when the session loads). On a CPU these small-row GEMMs stream their
+    weights from memory, so a quarter of the bytes is most of the speed. Returns what changed."""
+    import onnx
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    level = logging.getLogger().level
+    logging.getLogger().setLevel(logging.ERROR)      # the quantizer logs advice through the root logger
+    try:
+        quantize_dynamic(str(src), str(dst), weight_type=QuantType.QInt8, per_channel=True,
+                         op_types_to_quantize=["MatMul", "Gemm"])
+    finally:
+        logging.getLogger().setLevel(level)
+    if not Path(dst).is_file():
+        raise RuntimeError(f"onnxruntime's quantizer did not write {dst}")
+    q = onnx.load(str(dst), load_external_data=False)
+    ops = [n.op_type for n in q.graph.node]
+    return {"bytes": Path(src).stat().st_size, "int8_bytes": Path(dst).stat().st_size,
+            "quantized_matmuls": sum(o in ("MatMulInteger", "DynamicQuantizeMatMul") for o in ops),
+            "float_matmuls_left": sum(o in ("MatMul", "Gemm", "FusedMatMul") for o in ops)}
+
+
+def validate_int8(model, context_path, draft_path, draft_cases=DRAFT_CASES, context_cases=CONTEXT_CASES,
+                  tree_nodes: int = 0) -> dict:
+    """The int8 graphs against the float32 PyTorch drafter on the build's sample inputs: max abs
+    errors (reported, not bounded: int8 rounding) and the share of drafted tokens and candidate ids
+    that agree. The inputs are random, so the agreement is a check of the quantization, not a
+    measure of acceptance (that is tau, from `python -m lilicorr.eval --engine`)."""
+    rep = validate_onnxruntime(model, context_path, draft_path, draft_cases, context_cases, tree_nodes)
+    from lilicorr.ort_runner import OrtSession
+
+    sess, same, total, same_c, total_c = OrtSession(draft_path), 0, 0, 0, 0
+    for i, (n, c) in enumerate(draft_cases):
+        args = draft_inputs(model, n, c, seed=200 + i)
+        with torch.no_grad():
+            ref = DraftGraph(model, tree_nodes=tree_nodes)(*args)
+        got = sess.run(_flat_draft_feeds(model, args))
+        same += int((got["tokens"] == ref[0]).sum())
+        total += ref[0].numel()
+        same_c += int((got["cand_ids"] == ref[1]).sum())
+        total_c += ref[1].numel()
+    rep["token_agreement"] = same / total
+    rep["cand_id_agreement"] = same_c / total_c
+    return rep
+
+
 # ------------------------------------------------------------------------------ tensorrt
 def _inspect_plan(trt, plan: bytes) -> dict | None:
     """Engine-inspector layer info; needs a GPU to deserialize (None here on a CPU-only machine)."""
@@ -567,6 +638,7 @@ class BuildOptions:
     tolerance: float = 1e-3             # max abs error (ORT vs torch) above which the build fails
     dtype: str = "auto"                 # serving dtype of the target recorded in the manifest
     draft_length: str = ""              # serving draft length recorded in the manifest ("", N, auto)
+    draft_weights: str = "auto"         # DRAFT_WEIGHTS: the drafter graphs ONNX Runtime serves
     tree_nodes: int = lattice.DEFAULT_TREE_NODES   # rule `tree`'s node budget M built into the draft graph (0: none)
     draft_cases: tuple = DRAFT_CASES
     context_cases: tuple = CONTEXT_CASES
@@ -630,6 +702,18 @@ def _check_backend(backend: str) -> None:
                 check_rtx_parser_library(trt)
             except RuntimeError as e:
                 raise BuildError(f"--backend tensorrt-rtx: {e}") from e
+
+
+def resolve_draft_weights(draft_weights: str, backend: str) -> str:
+    """auto -> int8 for the onnxruntime backend, float32 for TensorRT (its int8 needs calibrated
+    Q/DQ graphs, which this build does not make)."""
+    if draft_weights not in DRAFT_WEIGHTS:
+        raise BuildError(f"draft weights {draft_weights!r}: choose from {', '.join(DRAFT_WEIGHTS)}")
+    if draft_weights == "auto":
+        return "int8" if backend == "onnxruntime" else "float32"
+    if draft_weights == "int8" and backend != "onnxruntime":
+        raise BuildError(f"int8 draft weights are built for the onnxruntime backend only, not {backend}")
+    return draft_weights
 
 
 def _check_out(out: Path, ckpt_dir: Path, target_dir: Path) -> None:
@@ -725,6 +809,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
     log = opts.log or (lambda *a, **k: None)
     t_start = time.perf_counter()
     _check_backend(opts.backend)
+    draft_weights = resolve_draft_weights(opts.draft_weights, opts.backend)
     ckpt_dir = Path(ckpt_dir)
     cfg, fingerprint = ckpt_io.read_config(ckpt_dir)            # CheckpointError: missing / corrupt
     ckpt_io.read_meta(ckpt_dir)
@@ -789,16 +874,28 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                                            opts.draft_cases, opts.context_cases, tree_nodes)
             if val_opt["max_abs_err"] > opts.tolerance:
                 raise BuildError(f"the ORT-optimised graphs differ from PyTorch by {val_opt['max_abs_err']:.3g}")
-            val_opt["split"] = validate_split(model, tmp / files["draft"],
-                                              {p: tmp / files[f"draft_{p}"] for p in DRAFT_PARTS},
-                                              opts.draft_cases)
-            if not (val_opt["split"]["tokens_equal"] and val_opt["split"]["cand_ids_equal"]):
-                raise BuildError("the ORT-optimised draft parts draft other tokens than draft.ort.onnx")
+            val_opt["split"] = check_split_drafts(model, tmp, files, opts.draft_cases, "ORT-optimised")
             validation["optimized"] = val_opt
+            quantized = None
+            if draft_weights == "int8":
+                log("[build] int8 draft weights (ONNX Runtime dynamic quantization)")
+                quantized = {}
+                for graph, src in list(files.items()):
+                    dst = src.replace(ORT_SUFFIX, INT8_SUFFIX)
+                    quantized[graph] = {"file": dst, **quantize_onnxruntime(tmp / src, tmp / dst)}
+                    files[graph] = dst
+                val_q = validate_int8(model, tmp / files["context"], tmp / files["draft"],
+                                      opts.draft_cases, opts.context_cases, tree_nodes)
+                if val_q["token_agreement"] < INT8_MIN_TOKEN_AGREEMENT:
+                    raise BuildError(f"the int8 draft graph drafts {val_q['token_agreement']:.0%} of the "
+                                     "sample tokens PyTorch drafts; the quantization is broken")
+                val_q["split"] = check_split_drafts(model, tmp, files, opts.draft_cases, "int8")
+                validation["int8"] = val_q
             import onnxruntime as ort
             manifest_ort = {"files": files, "graph_optimization_level": ORT_LEVEL,
                             "session_level": "ORT_ENABLE_ALL", "providers": ["CPUExecutionProvider"],
-                            "version": ort.__version__}
+                            "version": ort.__version__, "draft_weights": draft_weights,
+                            "quantized": quantized}
         trt_section = None
         if opts.backend in ("tensorrt", "tensorrt-rtx"):
             log(f"[build] building {opts.backend} plans")
@@ -828,6 +925,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             "target_dir": tpath, "ckpt": cpath,
             "block_size": d.block_size, "top_k": h.top_k, "sigma": h.sigma, "has_head": has_head,
             "dtype": "float32",
+            "draft_weights": draft_weights,     # of the graphs the engine serves (onnxruntime.files)
             # how to serve this engine: target precision ("auto": lilicorr.target.resolve_precision on the
             # serving machine) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
             "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or ""),
@@ -869,5 +967,6 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
 
 
 __all__ = ["BuildError", "BuildOptions", "ContextGraph", "DraftGraph", "build_engine_dir", "export_context",
-           "export_draft", "split_draft", "validate_split", "validate_onnxruntime", "optimize_onnxruntime", "plan_plugins", "resolve_target",
+           "export_draft", "split_draft", "validate_split", "validate_onnxruntime", "optimize_onnxruntime",
+           "quantize_onnxruntime", "validate_int8", "resolve_draft_weights", "plan_plugins", "resolve_target",
            "default_out", "CheckpointError", "EngineDirError"]

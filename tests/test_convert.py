@@ -22,7 +22,7 @@ onnx = pytest.importorskip("onnx", reason="the onnx extra is not installed")
 pytest.importorskip("onnxruntime", reason="the onnx extra is not installed")
 pytest.importorskip("onnxscript", reason="the dynamo ONNX exporter needs onnxscript")
 
-from lilicorr.export import BuildOptions, build_engine_dir, plan_plugins  # noqa: E402
+from lilicorr.export import BuildError, BuildOptions, build_engine_dir, plan_plugins  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 5, 9, 12, 40], [1, 7, 7, 30], [1, 44, 50, 51, 52, 53, 54, 60, 61]]
@@ -53,7 +53,15 @@ def tiny_ckpt(llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ort_engine(llama_dir, tiny_ckpt, tmp_path_factory):
+    """float32 draft weights: the exact compiled copy of the PyTorch drafter (int8: `int8_engine`)."""
     out = tmp_path_factory.mktemp("engines") / "tiny-onnxruntime"
+    return build_engine_dir(tiny_ckpt, llama_dir, out, BuildOptions(log=None, draft_weights="float32"))
+
+
+@pytest.fixture(scope="module")
+def int8_engine(llama_dir, tiny_ckpt, tmp_path_factory):
+    """The onnxruntime default: int8 draft weights."""
+    out = tmp_path_factory.mktemp("engines") / "tiny-int8"
     return build_engine_dir(tiny_ckpt, llama_dir, out, BuildOptions(log=None))
 
 
@@ -496,7 +504,8 @@ def test_smollm2_ort_equals_torch(smollm2_dir, tmp_path):
     from lilicorr.engine import SpecEngine
 
     ckpt = _save_untrained(smollm2_dir, tmp_path / "ckpt-smollm2")
-    out = build_engine_dir(ckpt, smollm2_dir, tmp_path / "smollm2-onnxruntime", BuildOptions(log=None))
+    out = build_engine_dir(ckpt, smollm2_dir, tmp_path / "smollm2-onnxruntime",
+                           BuildOptions(log=None, draft_weights="float32"))
     m = read_manifest(out)
     assert m["validation"]["max_abs_err"] < 1e-3 and m["validation"]["draft"]["tokens_equal"]
     prompts = [[1, 504, 3458, 282, 4350, 314], [1, 28120, 905, 30, 2665]]
@@ -523,7 +532,7 @@ def test_draft_vocabulary_engine_equals_torch_and_ar(llama_dir, tmp_path):
     vocab = sorted({2, *range(7, 96, 2)})[:40]
     model.drafter.set_draft_vocab(vocab)
     ckpt = ckpt_io.save_checkpoint(tmp_path / "ckpt", model.cfg, model.state_dict(), target.config, {"step": 0})
-    engine_dir = build_engine_dir(ckpt, llama_dir, tmp_path / "engine", BuildOptions(log=None))
+    engine_dir = build_engine_dir(ckpt, llama_dir, tmp_path / "engine", BuildOptions(log=None, draft_weights="float32"))
     assert json.loads((engine_dir / "manifest.json").read_text())["draft_vocab_size"] == 40
 
     def run(backend):
@@ -535,3 +544,50 @@ def test_draft_vocabulary_engine_equals_torch_and_ar(llama_dir, tmp_path):
     assert tok_t == tok_o and all(tok_o[r] == [x.tokens for x in ar] for r in tok_o)
     assert len(pools_t) == len(pools_o) and all(torch.equal(a, b) for a, b in zip(pools_t, pools_o))
     assert set(torch.cat([p.flatten() for p in pools_o]).tolist()) <= set(vocab)
+
+
+# ------------------------------------------------------------------------------ int8 draft weights
+def test_int8_engine_serves_quantized_graphs(int8_engine):
+    """The onnxruntime default: every graph the engine serves is an int8 copy of its ORT-optimised
+    graph (MatMulInteger / DynamicQuantizeMatMul in place of the weight MatMuls), hashed in the
+    manifest, checked against PyTorch and split exactly like the whole graph."""
+    m = read_manifest(int8_engine, check_files=True)
+    assert m["draft_weights"] == "int8" and m["onnxruntime"]["draft_weights"] == "int8"
+    files = m["onnxruntime"]["files"]
+    assert set(files) == {"context", "draft", "draft_backbone", "draft_lm_head", "draft_head"}
+    for graph, name in files.items():
+        assert name.endswith(".int8.onnx") and len(m["files"][name]["sha256"]) == 64, graph
+        q = m["onnxruntime"]["quantized"][graph]
+        assert q["file"] == name and q["quantized_matmuls"] >= 1, (graph, q)
+        model = onnx.load(str(int8_engine / name), load_external_data=False)
+        assert {"MatMulInteger", "DynamicQuantizeMatMul"} & {n.op_type for n in model.graph.node}, graph
+    lm = m["onnxruntime"]["quantized"]["draft_lm_head"]
+    assert lm["float_matmuls_left"] == 0 and lm["int8_bytes"] < lm["bytes"] / 2
+    v = m["validation"]["int8"]
+    assert 0.5 <= v["token_agreement"] <= 1.0 and 0.0 < v["cand_id_agreement"] <= 1.0
+    assert v["split"]["tokens_equal"] and v["split"]["cand_ids_equal"]
+    assert m["validation"]["max_abs_err"] < 1e-4          # the float32 graphs are still checked exactly
+
+
+def test_int8_drafter_is_lossless(int8_engine, llama_dir):
+    """int8 weights change drafts, never outputs: greedy speculative tokens equal `ar` for every
+    rule, and the runner did draft."""
+    from lilicorr.engine import SpecEngine
+
+    out, props = generate_recording_drafts(llama_dir, int8_engine, "onnxruntime", ("lilicorr", "viterbi", "argmax"), 12)
+    ar = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128).generate(PROMPTS, 12, rule="ar")
+    assert props
+    for rule, toks in out.items():
+        assert toks == [r.tokens for r in ar], rule
+
+
+def test_draft_weights_choice():
+    from lilicorr.export import resolve_draft_weights
+
+    assert resolve_draft_weights("auto", "onnxruntime") == "int8"
+    assert resolve_draft_weights("auto", "tensorrt-rtx") == "float32"
+    assert resolve_draft_weights("float32", "onnxruntime") == "float32"
+    with pytest.raises(BuildError, match="onnxruntime backend only"):
+        resolve_draft_weights("int8", "tensorrt")
+    with pytest.raises(BuildError, match="choose from"):
+        resolve_draft_weights("int4", "onnxruntime")
