@@ -458,7 +458,9 @@ def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASE
                          context_cases=CONTEXT_CASES, tree_nodes: int = 0) -> dict:
     """Run both graphs in ONNX Runtime and PyTorch on sample inputs (several batch sizes and
     context lengths): max abs error of the context K/V and the lattice scores, exact equality of
-    drafted tokens, candidate ids and (with tree_nodes) the draft tree's nodes."""
+    drafted tokens, candidate ids and (with tree_nodes) the draft tree's nodes, and the share of
+    drafted tokens and candidate ids that agree (`token_agreement`, `cand_id_agreement`: below 1
+    for the int8 graphs, whose errors are reported, not bounded)."""
     from lilicorr.ort_runner import OrtSession
 
     ctx_sess, draft_sess = OrtSession(context_path), OrtSession(draft_path)
@@ -474,6 +476,7 @@ def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASE
         rep["context"]["max_abs_err"] = max(rep["context"]["max_abs_err"], err)
     d = rep["draft"]
     d.update(tokens_equal=True, cand_ids_equal=True, mismatched_rows=0, rows=0)
+    agree = {"tokens": [0, 0], "cand_ids": [0, 0]}          # equal, total
     if model.head is not None:
         d.update(anchor_scores_max_abs_err=0.0, pair_scores_max_abs_err=0.0)
     if tree_nodes:
@@ -486,6 +489,9 @@ def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASE
         case = {"N": n, "C": c, "tokens_equal": bool(torch.equal(got["tokens"], ref[0])),
                 "cand_ids_equal": bool(torch.equal(got["cand_ids"], ref[1]))}
         bad_rows = int(((got["tokens"] != ref[0]).any(-1) | (got["cand_ids"] != ref[1]).flatten(1).any(-1)).sum())
+        for name, r in (("tokens", ref[0]), ("cand_ids", ref[1])):
+            agree[name][0] += int((got[name] == r).sum())
+            agree[name][1] += r.numel()
         d["mismatched_rows"] += bad_rows
         d["rows"] += n
         d["tokens_equal"] &= case["tokens_equal"]
@@ -500,6 +506,8 @@ def validate_onnxruntime(model, context_path, draft_path, draft_cases=DRAFT_CASE
             d["tree_equal"] &= case["tree_equal"]
         d["cases"].append(case)
     rep["max_abs_err"] = max([rep["context"]["max_abs_err"]] + [v for k, v in d.items() if k.endswith("_err")])
+    rep["token_agreement"] = agree["tokens"][0] / agree["tokens"][1]
+    rep["cand_id_agreement"] = agree["cand_ids"][0] / agree["cand_ids"][1]
     return rep
 
 
@@ -533,30 +541,6 @@ def quantize_onnxruntime(src, dst) -> dict:
     return {"bytes": Path(src).stat().st_size, "int8_bytes": Path(dst).stat().st_size,
             "quantized_matmuls": sum(o in ("MatMulInteger", "DynamicQuantizeMatMul") for o in ops),
             "float_matmuls_left": sum(o in ("MatMul", "Gemm", "FusedMatMul") for o in ops)}
-
-
-def validate_int8(model, context_path, draft_path, draft_cases=DRAFT_CASES, context_cases=CONTEXT_CASES,
-                  tree_nodes: int = 0) -> dict:
-    """The int8 graphs against the float32 PyTorch drafter on the build's sample inputs: max abs
-    errors (reported, not bounded: int8 rounding) and the share of drafted tokens and candidate ids
-    that agree. The inputs are random, so the agreement is a check of the quantization, not a
-    measure of acceptance (that is tau, from `python -m lilicorr.eval --engine`)."""
-    rep = validate_onnxruntime(model, context_path, draft_path, draft_cases, context_cases, tree_nodes)
-    from lilicorr.ort_runner import OrtSession
-
-    sess, same, total, same_c, total_c = OrtSession(draft_path), 0, 0, 0, 0
-    for i, (n, c) in enumerate(draft_cases):
-        args = draft_inputs(model, n, c, seed=200 + i)
-        with torch.no_grad():
-            ref = DraftGraph(model, tree_nodes=tree_nodes)(*args)
-        got = sess.run(_flat_draft_feeds(model, args))
-        same += int((got["tokens"] == ref[0]).sum())
-        total += ref[0].numel()
-        same_c += int((got["cand_ids"] == ref[1]).sum())
-        total_c += ref[1].numel()
-    rep["token_agreement"] = same / total
-    rep["cand_id_agreement"] = same_c / total_c
-    return rep
 
 
 # ------------------------------------------------------------------------------ tensorrt
@@ -884,8 +868,8 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                     dst = src.replace(ORT_SUFFIX, INT8_SUFFIX)
                     quantized[graph] = {"file": dst, **quantize_onnxruntime(tmp / src, tmp / dst)}
                     files[graph] = dst
-                val_q = validate_int8(model, tmp / files["context"], tmp / files["draft"],
-                                      opts.draft_cases, opts.context_cases, tree_nodes)
+                val_q = validate_onnxruntime(model, tmp / files["context"], tmp / files["draft"],
+                                             opts.draft_cases, opts.context_cases, tree_nodes)
                 if val_q["token_agreement"] < INT8_MIN_TOKEN_AGREEMENT:
                     raise BuildError(f"the int8 draft graph drafts {val_q['token_agreement']:.0%} of the "
                                      "sample tokens PyTorch drafts; the quantization is broken")
@@ -968,5 +952,5 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
 
 __all__ = ["BuildError", "BuildOptions", "ContextGraph", "DraftGraph", "build_engine_dir", "export_context",
            "export_draft", "split_draft", "validate_split", "validate_onnxruntime", "optimize_onnxruntime",
-           "quantize_onnxruntime", "validate_int8", "resolve_draft_weights", "plan_plugins", "resolve_target",
+           "quantize_onnxruntime", "resolve_draft_weights", "plan_plugins", "resolve_target",
            "default_out", "CheckpointError", "EngineDirError"]

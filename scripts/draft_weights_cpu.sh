@@ -2,7 +2,9 @@
 # int8 against float32 drafter weights (convert/build_engine.py --draft-weights) on this CPU: both
 # engines from the same checkpoint, `ar` and whole-block `lilicorr` at batch 1, the engines taking
 # turns (int8, fp32, int8, fp32), then the table and plot of results/draft_weights_amx.
-#   bash scripts/draft_weights_cpu.sh [OUT=results/draft_weights_amx]
+#   bash scripts/draft_weights_cpu.sh [OUT_DIR]     (default results/draft_weights_amx)
+# It also writes tau-suites-<weights>.json (tau over the three suites at 12 rows) and, by
+# scripts/verify_after_draft.py, verify_after_draft.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -21,4 +23,10 @@ for pass in 1 2; do
       --threads 1 --rules ar,lilicorr --profile --json "$out/$w-pass$pass.json" --no-progress --no-plots
   done
 done
+for w in float32 int8; do
+  python -m lilicorr.eval --target "$target" --engine "engines/draft-weights-$w" \
+    --prompts humaneval,math500,gsm-symbolic --limit 12 --max-tokens 96 --batch-size 12 --threads 1 \
+    --rules ar,argmax,lilicorr --json "$out/tau-suites-$w.json" --no-progress --no-plots
+done
+python scripts/verify_after_draft.py --out "$out/verify_after_draft.md"
 python scripts/draft_weights_table.py "$out"
