@@ -38,6 +38,9 @@ def parse_args(argv=None):
     p.add_argument("--draft-length", default="auto",
                    help="drafted tokens verified per step recorded for serving: auto (the default: per row "
                         "and step, what pays for itself at the current load), N, or '' (the whole block)")
+    p.add_argument("--prompt-lookup", default=None, metavar="N",
+                   help="prompt lookup recorded for serving: where a row's last n tokens (N >= n >= 2) occurred "
+                        "before, verify what followed them instead of drafting (default 3; off or 0: never)")
     p.add_argument("--tree-nodes", type=int, default=None,
                    help="rule tree's node budget M built into the draft graph (lilicorr::DraftTree; default 16, "
                         "0: none; serving uses it unless told another M)")
@@ -60,9 +63,9 @@ def main(argv=None) -> int:
     opts = BuildOptions(backend=args.backend, max_batch=args.max_batch, max_context=args.max_context,
                         compute_capabilities=args.compute_capabilities.split(",") if args.compute_capabilities else None,
                         yarn_factor=args.yarn_factor, tolerance=args.tolerance,
-                        dtype=args.serve_dtype, draft_length=args.draft_length,
-                        draft_weights=args.draft_weights,
+                        dtype=args.serve_dtype, draft_length=args.draft_length, draft_weights=args.draft_weights,
                         **({} if args.tree_nodes is None else {"tree_nodes": args.tree_nodes}),
+                        **({} if args.prompt_lookup is None else {"prompt_lookup": args.prompt_lookup}),
                         log=lambda *a: print(*a, flush=True))
     try:
         out = build_engine_dir(args.ckpt, args.target, args.out, opts)

@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, help="with --engine: rule tree's draft-tree size M")
     p.add_argument("--draft-length", default="", help="with --engine: drafted tokens verified per step, N or "
                    "auto (default: the manifest's serving choice, else the whole block)")
+    p.add_argument("--prompt-lookup", default="", help="with --engine: longest n-gram of prompt lookup, or off "
+                   "(default: the manifest's serving choice, else off)")
     p.add_argument("--threads", type=int, default=0, help="with --engine: torch threads of the engine (0: default)")
     args = p.parse_args(argv)
     if args.repeats < 1:
@@ -83,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         generate_repository(read_engine_manifest(args.engine), repo,
                             ServeOptions(max_batch=max(concurrencies), profile=args.profile, dtype=args.dtype,
                                          draft_length=args.draft_length, tree_nodes=args.tree_nodes,
-                                         num_threads=args.threads))
+                                         prompt_lookup=args.prompt_lookup, num_threads=args.threads))
         server = TritonServer(repo, startup_timeout=900).start()
         url, metrics_url = server.grpc_url, server.metrics_url
     elif args.url:

@@ -36,6 +36,13 @@ fewer tokens than plain steps would have for their measured cost (drafter passes
 number of rows that draft). A new row starts from the acceptance observed over all rows so far, so a weak
 drafter's new rows do not draft by default. Every choice of L is
 lossless: verification is unchanged, only fewer drafts are checked.
+
+Prompt lookup (`prompt_lookup` = N > 0, `lilicorr.ngram`): a lilicorr/argmax/viterbi row whose last
+n tokens (N >= n >= 2) occurred earlier in its prompt or output verifies the tokens that followed
+them instead of drafting; the drafter runs only for the other rows, and a lookup row's verified
+features wait for its next drafter pass like those of a row that skipped drafting. Under `auto`
+its length comes from the row's own acceptance of lookup drafts (no drafter cost); otherwise it
+verifies the whole copied continuation (at most the block, or N drafts). Lossless like any draft.
 State kept per row after each step: the anchor (last committed token, not yet in the target
 cache) at position p = target cache length, the target features of verified tokens not yet in the
 drafter context, and the captured layers at p-1 (the head's target state).
@@ -56,6 +63,7 @@ import torch
 from lilicorr.costmodel import CostModel, best_length
 from lilicorr.lattice import DEFAULT_TREE_NODES, build_tree, tree_attention, tree_size
 from lilicorr.model import RULES, load_model, untrained_model
+from lilicorr.ngram import NgramIndex, parse_prompt_lookup
 from lilicorr.profiling import BLOCK, STAGE_ACCEPT, STAGE_DRAFT, STAGE_VERIFY, nvtx_range, stage
 from lilicorr.target import load_target
 
@@ -82,6 +90,8 @@ class Result:
     slot_reached: list[int]      # per slot: steps in which the slot was verified
     slot_accepted: list[int]     # per slot: steps in which the slot's draft was accepted
     accept_hist: list[int] = field(default_factory=list)  # [B+1]: steps that committed k tokens (k=1..B)
+    lookup_steps: int = 0        # verify steps whose draft came from prompt lookup, not the drafter
+    drafted_tokens: int = 0      # sum over steps of the draft tokens proposed to the verifier
 
     @property
     def tau(self) -> float:
@@ -121,6 +131,12 @@ class _Seq:
     # last drafted (the probe order)
     accept_rate: list[float] = field(default_factory=list)
     idle: int = 0
+    # prompt lookup: the row's n-gram index (None when off or for ar/tree rows), its per-slot
+    # conditional acceptance of lookup drafts (EMA) and how many steps verified one
+    ngram: NgramIndex | None = None
+    lookup_rate: list[float] = field(default_factory=list)
+    lookup_steps: int = 0
+    drafted: int = 0                     # draft tokens verified over all steps
 
     @property
     def anchor_pos(self) -> int:
@@ -182,12 +198,15 @@ def _expected(rates) -> list[float]:
 
 class SpecEngine:
     def __init__(self, target, runner=None, max_batch: int = 32, max_seq_len: int = 2048,
-                 draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
+                 draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
+                 prompt_lookup: int = 0):
         """target: TargetModel; runner: a draft runner (None -> only rule `ar`); draft_length: None
         (whole block), N (verify the first N drafts) or "auto" (module docstring); tree_nodes: the
-        draft-tree size M of rule `tree`."""
+        draft-tree size M of rule `tree`; prompt_lookup: the longest n-gram prompt lookup matches
+        (0: off; module docstring)."""
         if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or not 1 <= tree_nodes <= 256:
             raise ValueError(f"tree_nodes must be an integer in [1, 256], got {tree_nodes!r}")
+        self.prompt_lookup = parse_prompt_lookup(prompt_lookup)
         self.tree_nodes = tree_nodes
         self.target = target
         self.runner = runner
@@ -215,6 +234,7 @@ class SpecEngine:
         # (a weak drafter's new rows start pessimistic instead of drafting until their own history
         # catches up: under load those first blocks widen every row's verify)
         self._prior = [0.6] * max(self.block_size - 1, 0)
+        self._lookup_prior = [0.6] * max(self.block_size - 1, 0)     # the same for prompt-lookup drafts
         # one row probes per PROBE_EVERY x this many steps: doubled after a probing step that
         # committed fewer tokens than its cost in plain steps, back to 1 after one that paid
         self._probe_scale = 1
@@ -227,7 +247,7 @@ class SpecEngine:
                    draft_backend: str = "torch", yarn_factor: float | None = None,
                    untrained_seed: int | None = None, block_size: int | None = None,
                    draft_length: int | str | None = None, tree_nodes: int = DEFAULT_TREE_NODES,
-                   batch_invariant: bool | None = None) -> "SpecEngine":
+                   batch_invariant: bool | None = None, prompt_lookup: int = 0) -> "SpecEngine":
         """Target from an HF folder; drafter+head from a checkpoint, an engine directory (its
         manifest names the checkpoint and the built graph), or untrained (`untrained_seed`).
         `batch_invariant`: `load_target`'s (default: on for bf16 on a CPU)."""
@@ -246,7 +266,7 @@ class SpecEngine:
             from lilicorr.draft_runner import TorchDraftRunner
             runner = TorchDraftRunner(untrained_model(target, seed=untrained_seed, block_size=block_size), max_batch)
         return cls(target, runner, max_batch=max_batch, max_seq_len=max_seq_len, draft_length=draft_length,
-                   tree_nodes=tree_nodes)
+                   tree_nodes=tree_nodes, prompt_lookup=prompt_lookup)
 
     def measure_costs(self) -> None:
         """With auto draft length: measure the verify cost now for every load the engine can see
@@ -367,6 +387,10 @@ class SpecEngine:
         s.accept_hist = [0] * (self.block_size + 1)
         s.accept_rate = list(self._prior)
         s.truth = list(prompt)
+        if self.prompt_lookup and rule not in ("ar", "tree"):
+            s.ngram = NgramIndex(self.prompt_lookup)
+            s.ngram.extend(prompt)
+            s.lookup_rate = list(self._lookup_prior)
         self._seqs[rid] = s
         return rid
 
@@ -458,16 +482,24 @@ class SpecEngine:
         b, dev, n = self.block_size, self.device, len(seqs)
         auto = self.cost is not None
         t0 = time.perf_counter()
-        # the draft-length policy's bookkeeping counts with accept/residual (a stage only when it runs)
-        with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():   # which rows draft
+        # the draft-length policy's and prompt lookup's bookkeeping counts with accept/residual (a
+        # stage only when it runs)
+        policy = auto or bool(self.prompt_lookup)
+        with stage(STAGE_ACCEPT) if policy else contextlib.nullcontext():   # which rows draft
+            # prompt lookup: [n] copied continuations ([] where the row's suffix did not occur before)
+            look = [s.ngram.propose(b - 1) if s.ngram is not None else [] for s in seqs]
             if auto:
                 cost = self.cost.ratios(n)[:b]                           # cost[j]: verify j drafts
                 one_row = self.cost.draft_cost_at(n, 1)
-                wish = [self._wants_draft(s, cost, one_row) for s in seqs]
+                # a row verifies its lookup where the row's acceptance of lookups pays for the verify
+                wish = ["lookup" if look[i] and best_length(self._lookup_expected(s, look[i]), cost, 0.0)[0]
+                        else self._wants_draft(s, cost, one_row) for i, s in enumerate(seqs)]
                 self._schedule_probe(wish, seqs)
                 drafting = self._batch_drafting(wish, seqs, cost, lambda d: self.cost.draft_cost_at(n, d))
+                lk_idx = [i for i in range(n) if wish[i] == "lookup"]          # rows verifying a lookup
             else:
-                wish, drafting = [None] * n, [True] * n
+                wish, drafting = [None] * n, [not x for x in look]
+                lk_idx = [i for i in range(n) if look[i]]
             d_idx = [i for i in range(n) if drafting[i]]
             for i, s in enumerate(seqs):
                 s.idle = 0 if drafting[i] else s.idle + 1
@@ -485,16 +517,19 @@ class SpecEngine:
         # drafts verified per row
         lengths = [0] * n
         probs = None
-        if prop is not None:
-            with stage(STAGE_ACCEPT) if auto else contextlib.nullcontext():
+        if prop is not None or lk_idx:
+            with stage(STAGE_ACCEPT) if policy else contextlib.nullcontext():
                 if auto:
-                    probs = self._walk_probs(prop)                             # [D, S] or None
+                    probs = self._walk_probs(prop) if prop is not None else None   # [D, S] or None
                     expected = [[1.0]] * n
                     for j, i in enumerate(d_idx):
                         rates = self._calibrated(probs[j].tolist() if probs is not None else None,
                                                  seqs[i].accept_rate)
                         expected[i] = _expected(rates)
                         lengths[i] = best_length(expected[i], cost, 0.0)[0]     # the draft is paid for
+                    for i in lk_idx:               # a lookup costs no drafter pass; at most its own length
+                        expected[i] = self._lookup_expected(seqs[i], look[i])
+                        lengths[i] = best_length(expected[i], cost, 0.0)[0]
                     lengths = _batch_cap(lengths, expected, cost)
                     for i in d_idx:                # a probe verifies at least one draft: it is there to learn
                         if wish[i] == "probe":
@@ -502,12 +537,17 @@ class SpecEngine:
                 else:
                     for i in d_idx:
                         lengths[i] = self.draft_length or (b - 1)
+                    for i in lk_idx:
+                        lengths[i] = min(len(look[i]), self.draft_length or (b - 1))
         t = 1 + max(lengths)
         with stage(STAGE_VERIFY):
             block = torch.zeros(n, t, dtype=torch.long, device=dev)
             block[:, 0] = anchors
             if prop is not None and t > 1:
                 block[sel, 1:] = prop.tokens[:, : t - 1].to(dev)
+            for i in lk_idx:
+                if lengths[i]:
+                    block[i, 1: 1 + lengths[i]] = torch.tensor(look[i][: lengths[i]], device=dev)
             rows = torch.tensor([s.tslot for s in seqs], device=dev)
             pos = apos[:, None] + torch.arange(t, device=dev)[None, :]
             out = self.target(block, pos, cache=self.cache, rows=rows, capture=self.capture)
@@ -518,6 +558,7 @@ class SpecEngine:
             block = block.tolist()                                            # [N][T]
             pools = prop.cand_ids.cpu().tolist() if prop is not None else None  # [D][S][K]
             where = {i: j for j, i in enumerate(d_idx)}
+            looked = set(lk_idx)
             new_len = []
             for i, s in enumerate(seqs):
                 n_d = lengths[i]
@@ -529,11 +570,15 @@ class SpecEngine:
                     while a < n_d and drafts[a] == greedy[i][a]:
                         a += 1
                     bonus = greedy[i][a]
-                # oracle: settled against the target's own continuation once it is known
+                # oracle: settled against the target's own continuation once it is known (a lookup
+                # slot's pool is its one copied token)
                 self._record(s, out.captured[i, : a + 1].clone(), min(a + 1, n_d), a,
-                             pools[where[i]] if i in where else [])
+                             pools[where[i]] if i in where else [[x] for x in drafts] if i in looked else [])
                 if auto and i in where:
                     self._learn(s, a, n_d, probs[where[i]].tolist() if probs is not None else None)
+                if look[i]:                # verified or not, the committed tokens tell how far it was right
+                    s.lookup_steps += i in looked and n_d > 0
+                    self._learn_lookup(s, look[i], drafts[:a] + [bonus])
                 # roll the target cache back to anchor + accepted drafts (bonus not yet run)
                 new_len.append(s.anchor_pos + a + 1)
                 events.append(self._commit(s, drafts[:a] + [bonus], accepted=a + 1, drafted=n_d))
@@ -753,6 +798,25 @@ class SpecEngine:
                 c = self._calib[j]
                 c[0], c[1] = 0.98 * c[0] + hit, 0.98 * c[1] + p[j]
 
+    @staticmethod
+    def _lookup_expected(s: _Seq, draft: list[int]) -> list[float]:
+        """Expected tokens committed when verifying 0..len(draft) tokens of a lookup draft."""
+        return _expected(s.lookup_rate)[: len(draft) + 1]
+
+    def _learn_lookup(self, s: _Seq, draft: list[int], committed: list[int]) -> None:
+        """The row's (and new rows') per-slot conditional acceptance of prompt-lookup drafts, from
+        the tokens a step committed: slot j is observed where the draft matched the committed tokens
+        before it, hit where it matches at j too. Under greedy verification this is exactly what
+        verifying the draft would have accepted, so a row that did not verify its lookup (a plain
+        or drafter step) learns too, and a row whose lookups once failed finds out when they start
+        to pay (at T > 0 the committed tokens are samples: an estimate)."""
+        for j in range(min(len(draft), len(committed))):
+            hit = 1.0 if draft[j] == committed[j] else 0.0
+            s.lookup_rate[j] = (1 - self.ACCEPT_RATE) * s.lookup_rate[j] + self.ACCEPT_RATE * hit
+            self._lookup_prior[j] = (1 - self.PRIOR_RATE) * self._lookup_prior[j] + self.PRIOR_RATE * hit
+            if not hit:
+                break
+
     def _ar_step(self, seqs: list[_Seq]) -> list[StepEvent]:
         dev = self.device
         with stage(STAGE_VERIFY):
@@ -796,6 +860,7 @@ class SpecEngine:
         """Append tokens, apply stop tokens and max_tokens; returns the step's event."""
         if count_step:
             s.accepted += accepted
+            s.drafted += drafted
         s.truth.extend(new)           # the target's continuation, also past a stop / max_tokens
         room = s.max_tokens - len(s.tokens)
         reason = None
@@ -808,6 +873,8 @@ class SpecEngine:
         if reason is None and len(s.tokens) + len(out) >= s.max_tokens:
             reason = "length"
         s.tokens.extend(out)
+        if s.ngram is not None:
+            s.ngram.extend(out)
         s.anchor = s.tokens[-1]
         s.finish_reason = reason
         return StepEvent(s.rid, out, reason is not None, reason, accepted, drafted)
@@ -842,7 +909,8 @@ class SpecEngine:
     def result(self, rid: int) -> Result:
         s = self._finished.get(rid) or self._seqs[rid]
         return Result(s.rid, len(s.prompt), list(s.tokens), s.finish_reason or "running", s.steps,
-                      s.accepted, s.oracle, list(s.slot_reached), list(s.slot_accepted), list(s.accept_hist))
+                      s.accepted, s.oracle, list(s.slot_reached), list(s.slot_accepted), list(s.accept_hist),
+                      s.lookup_steps, s.drafted)
 
     def pop_result(self, rid: int) -> Result:
         r = self.result(rid)

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft-length", default=None,
                    help="drafted tokens verified per step: N, or auto (per row and step from the lattice's "
                         "scores and a cost model measured at start-up); default: the whole block")
+    p.add_argument("--prompt-lookup", default="0", metavar="N",
+                   help="prompt lookup: where a row's last n tokens (N >= n >= 2) occurred before, verify what "
+                        "followed them instead of drafting (0: off, the default)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per rule before timing (0: none)")
     p.add_argument("--repeats", type=int, default=1,
@@ -191,6 +194,7 @@ def aggregate(results, rule: str, wall_s: float, block_size: int) -> dict:
         reached = [sum(r.slot_reached[j] for r in results) for j in range(s)]
         accepted = [sum(r.slot_accepted[j] for r in results) for j in range(s)]
         hist = [sum(r.accept_hist[k] for r in results) for k in range(block_size + 1)]
+    lookup = sum(r.lookup_steps for r in results)
     reasons: dict[str, int] = {}
     for r in results:
         reasons[r.finish_reason] = reasons.get(r.finish_reason, 0) + 1
@@ -209,6 +213,7 @@ def aggregate(results, rule: str, wall_s: float, block_size: int) -> dict:
         "slot_accepted": accepted,
         "slot_reached": reached,
         "accept_hist": hist,
+        "lookup_step_share": (lookup / steps if steps else None) if rule != "ar" else None,
         "finish_reasons": reasons,
     }
 
@@ -297,7 +302,7 @@ def _make_engine(args):
             args.target, ckpt_dir=args.ckpt, engine_dir=args.engine, max_batch=args.batch_size,
             max_seq_len=args.max_seq_len, device=args.device, dtype=resolve_precision(args.dtype, args.device),
             untrained_seed=0 if args.untrained else None, block_size=args.block_size,
-            draft_length=args.draft_length, tree_nodes=args.tree_nodes, **kw)
+            draft_length=args.draft_length, tree_nodes=args.tree_nodes, prompt_lookup=args.prompt_lookup, **kw)
     except CheckpointError as e:
         raise EvalError(f"--ckpt {args.ckpt}: {e}") from None
     except (FileNotFoundError, ValueError) as e:
@@ -441,6 +446,7 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "batch_invariant": engine.target.batch_invariant,
             "dtype_requested": args.dtype,
             "draft_length": args.draft_length or "block",
+            "prompt_lookup": engine.prompt_lookup,
             "tree_nodes": args.tree_nodes,
             "threads": torch.get_num_threads(),
             "cpu_count": os.cpu_count(),
@@ -507,6 +513,8 @@ def _overall(per, rules, seeds, block_size) -> dict:
                 "slot_acceptance": [a / r if r else None for a, r in zip(accepted, reached)],
                 "slot_accepted": accepted, "slot_reached": reached,
                 "accept_hist": [sum(r["accept_hist"][k] for r in runs) for k in range(block_size + 1)],
+                "lookup_step_share": (sum((r["lookup_step_share"] or 0) * r["verify_steps"] for r in runs) / steps
+                                      if steps else None) if rule != "ar" else None,
                 "finish_reasons": reasons,
             }
         if "ar" in rules and pooled["ar"][seed]["tokens_per_s"]:

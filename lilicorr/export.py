@@ -51,6 +51,7 @@ from lilicorr.drafter import inference_attention_mask
 from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REPO, EngineDirError,
                                  file_sha256, portable_path, target_record, write_manifest)
 from lilicorr.head import top_k_candidates
+from lilicorr.ngram import parse_prompt_lookup
 from lilicorr.ort_runner import TREE_OUTPUTS, context_io_names, draft_io_names, ort_session
 from lilicorr.plugins import plan_plugins
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD
@@ -622,6 +623,7 @@ class BuildOptions:
     tolerance: float = 1e-3             # max abs error (ORT vs torch) above which the build fails
     dtype: str = "auto"                 # serving dtype of the target recorded in the manifest
     draft_length: str = ""              # serving draft length recorded in the manifest ("", N, auto)
+    prompt_lookup: str = "3"            # serving prompt lookup recorded in the manifest (N: longest n-gram, 0: off)
     draft_weights: str = "auto"         # DRAFT_WEIGHTS: the drafter graphs ONNX Runtime serves
     tree_nodes: int = lattice.DEFAULT_TREE_NODES   # rule `tree`'s node budget M built into the draft graph (0: none)
     draft_cases: tuple = DRAFT_CASES
@@ -794,6 +796,10 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
     t_start = time.perf_counter()
     _check_backend(opts.backend)
     draft_weights = resolve_draft_weights(opts.draft_weights, opts.backend)
+    try:
+        prompt_lookup = parse_prompt_lookup(opts.prompt_lookup)
+    except ValueError as e:
+        raise BuildError(f"--prompt-lookup: {e}") from None
     ckpt_dir = Path(ckpt_dir)
     cfg, fingerprint = ckpt_io.read_config(ckpt_dir)            # CheckpointError: missing / corrupt
     ckpt_io.read_meta(ckpt_dir)
@@ -913,7 +919,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
             # how to serve this engine: target precision ("auto": lilicorr.target.resolve_precision on the
             # serving machine) and draft length ("" = the whole block, N, or "auto"); ServeOptions override them
             "serving": {"dtype": opts.dtype, "draft_length": str(opts.draft_length or ""),
-                        "tree_nodes": tree_nodes or None},
+                        "tree_nodes": tree_nodes or None, "prompt_lookup": str(prompt_lookup)},
             "draft_vocab_size": d.draft_vocab_size,
             "checkpoint": {"path": cpath, "sha256": weights_sha, "config_sha256": file_sha256(ckpt_dir / CONFIG),
                            "step": ckpt_io.read_meta(ckpt_dir).get("step")},

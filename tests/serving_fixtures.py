@@ -94,8 +94,10 @@ def offline_engine(serving_target, tiny_engine_dir):
     """The same engine the server runs, in the test process (the reference for greedy outputs): the
     target in the precision the server picks ("auto", the manifest's serving choice)."""
     from lilicorr.engine import SpecEngine
+    from lilicorr.engine_dir import read_manifest
+    lookup = read_manifest(tiny_engine_dir)["serving"]["prompt_lookup"]      # as the server serves it
     return SpecEngine.from_paths(serving_target, engine_dir=tiny_engine_dir, draft_backend="onnxruntime",
-                                 max_batch=8, max_seq_len=MAX_SEQ_LEN, dtype="auto")
+                                 max_batch=8, max_seq_len=MAX_SEQ_LEN, dtype="auto", prompt_lookup=lookup)
 
 
 @pytest.fixture(scope="session")

@@ -132,6 +132,7 @@ def test_draft_graph_has_plugin_nodes(ort_engine, tiny_ckpt):
     assert sigma == pytest.approx(cfg.head.sigma)
     num_nodes = onnx.helper.get_attribute_value(next(a for a in nodes["DraftTree"].attribute if a.name == "num_nodes"))
     assert num_nodes == 16 == read_manifest(ort_engine)["serving"]["tree_nodes"]
+    assert read_manifest(ort_engine)["serving"]["prompt_lookup"] == "3"      # the converter's default
     assert {(f.domain, f.name) for f in model.functions} == {("lilicorr", "LatticeMatch"), ("lilicorr", "GreedyWalk"),
                                                               ("lilicorr", "DraftTree")}
     # the context graph and the ORT-optimised graphs carry no custom nodes
@@ -388,6 +389,7 @@ def _corrupt(kind: str, ckpt: Path, tmp: Path) -> Path:
     ("backend", "unknown backend 'tflite'"),
     ("out", "not an engine directory"),
     ("out_is_ckpt", "would replace the checkpoint"),
+    ("prompt_lookup", "--prompt-lookup: prompt lookup n-gram '1' outside"),
 ])
 def test_bad_input_clear_error_nothing_written(case, needle, tiny_ckpt, llama_dir, tiny_target_dir, tmp_path, capsys):
     ckpt, target, out, backend = tiny_ckpt, llama_dir, tmp_path / "engines" / "x", "onnxruntime"
@@ -408,8 +410,9 @@ def test_bad_input_clear_error_nothing_written(case, needle, tiny_ckpt, llama_di
     elif case == "out_is_ckpt":
         ckpt = _corrupt("copy", tiny_ckpt, tmp_path)
         out = ckpt
+    extra = ["--prompt-lookup", "1"] if case == "prompt_lookup" else []
     before = sorted(p.name for p in out.parent.iterdir()) if out.parent.exists() else None
-    rc = _cli().main(["--ckpt", str(ckpt), "--target", str(target), "--out", str(out), "--backend", backend])
+    rc = _cli().main(["--ckpt", str(ckpt), "--target", str(target), "--out", str(out), "--backend", backend, *extra])
     err = capsys.readouterr().err
     assert rc == 2 and needle in err, err
     assert err.count("\n") == 1 and "Traceback" not in err

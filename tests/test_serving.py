@@ -487,6 +487,14 @@ def test_generate_repository(tmp_path):
     assert not (repo / "ensemble" / "target").exists()
     assert model_parameters({"parameters": {"a": {"string_value": "x"}, "b": {"string_value": "${b}"}}}) == \
         {"a": "x", "b": ""}
+    # prompt lookup: the option, else the manifest's serving choice, else off; bad values refused
+    assert 'key: "prompt_lookup" value: { string_value: "0" }' in cfg
+    spec.manifest = {"serving": {"prompt_lookup": "3"}}
+    for opt, want in (("", "3"), ("5", "5"), ("off", "0")):
+        repo = generate_repository(spec, tmp_path / f"repo-{want}", ServeOptions(prompt_lookup=opt))
+        assert f'key: "prompt_lookup" value: {{ string_value: "{want}" }}' in (repo / "lilicorr" / "config.pbtxt").read_text()
+    with pytest.raises(ValueError, match="prompt lookup"):
+        generate_repository(spec, tmp_path / "repo-bad", ServeOptions(prompt_lookup="1"))
 
 
 def test_server_env_and_backend_dir(tmp_path):
@@ -646,7 +654,7 @@ def test_direct_token_id_model(engine_server, reference):
     off = reference(ids, 9, "lilicorr", ignore_eos=True)
     assert res.token_ids == off.tokens and res.finish_reason == "length"
     assert (res.accepted, res.steps) == (off.accepted_tokens, off.num_steps)
-    assert res.steps >= 1 and res.drafted == (BLOCK_SIZE - 1) * res.steps and res.accepted >= res.steps
+    assert res.steps >= 1 and res.drafted == off.drafted_tokens and res.accepted >= res.steps
     ar = client.generate(input_ids=ids, max_tokens=9, decode_rule="ar", ignore_eos=True)
     assert ar.token_ids == res.token_ids and ar.tau == 1.0 and ar.drafted == 0
 
@@ -818,7 +826,10 @@ def test_32_concurrent_streams_lose_nothing(engine_server, tokenizer, reference)
         if "prompt" in kw:
             assert r.text == tokenizer.decode(r.token_ids)
         assert r.token_times == sorted(r.token_times) and len(r.token_times) == len(r.token_ids)
-        assert r.drafted == (0 if rule == "ar" else (BLOCK_SIZE - 1) * r.steps)
+        # whole-block serving with the manifest's prompt lookup: each row's steps and drafts are its own
+        assert (r.steps, r.accepted, r.drafted) == (ref.num_steps, ref.accepted_tokens, ref.drafted_tokens)
+    # some rows verified prompt-lookup copies (shorter than a block) through the server
+    assert any(0 < r.drafted < (BLOCK_SIZE - 1) * r.steps for r in res), [(r.drafted, r.steps) for r in res]
     text = _idle_metrics(engine_server)         # the gauges are published after the engine step
     assert metric(text, "lilicorr_requests_completed") - metric(before, "lilicorr_requests_completed") == 32
     assert (metric(text, "lilicorr_output_tokens") - metric(before, "lilicorr_output_tokens")

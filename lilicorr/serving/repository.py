@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from lilicorr.config import DEFAULT_TREE_NODES
+from lilicorr.ngram import parse_prompt_lookup
 
 from .launcher import engine_threads, venv_root
 from .protocol import DECODE_RULES, DEFAULT_MAX_PROMPT_BYTES, MODEL_ENGINE, MODEL_ENSEMBLE, MODEL_POST, MODEL_PRE
@@ -134,6 +135,7 @@ class ServeOptions:
     dtype: str = ""                     # target dtype; "" -> the engine manifest's serving dtype, else "auto"
     draft_length: str = ""              # "auto", N, or "" -> the manifest's serving choice, else the whole block
     tree_nodes: int = 0                 # rule tree: draft-tree nodes verified per step (0: the manifest's, else 16)
+    prompt_lookup: str = ""             # longest n-gram prompt lookup matches, "off"/"0", or "" -> the manifest's, else off
     cancel_check_ms: int = 20
     pre_instances: int = 1
     post_instances: int = 1
@@ -167,6 +169,8 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "draft_length": str(opts.draft_length or ((spec.manifest or {}).get("serving") or {}).get("draft_length") or ""),
         "tree_nodes": str(opts.tree_nodes or ((spec.manifest or {}).get("serving") or {}).get("tree_nodes")
                           or DEFAULT_TREE_NODES),
+        "prompt_lookup": str(parse_prompt_lookup(opts.prompt_lookup or ((spec.manifest or {}).get("serving") or {})
+                                                 .get("prompt_lookup") or 0)),
         "cancel_check_ms": str(opts.cancel_check_ms),
         "pre_instances": str(opts.pre_instances),
         "post_instances": str(opts.post_instances),
@@ -269,7 +273,8 @@ def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = 
     target_dir = model_path(params, "target_dir", base_dir)
     kwargs: dict[str, Any] = dict(max_batch=max_batch, max_seq_len=max_seq_len, device=device, dtype=dtype,
                                   draft_length=params.get("draft_length") or None,
-                                  tree_nodes=int(params.get("tree_nodes") or DEFAULT_TREE_NODES))
+                                  tree_nodes=int(params.get("tree_nodes") or DEFAULT_TREE_NODES),
+                                  prompt_lookup=params.get("prompt_lookup") or 0)
     if params.get("engine_dir"):
         kwargs["engine_dir"] = model_path(params, "engine_dir", base_dir)   # the engine names its checkpoint
     elif params.get("ckpt_dir"):

@@ -21,6 +21,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from lilicorr.ngram import parse_prompt_lookup
+
 from .launcher import REPO_TMP_PREFIX, ServerStartError, TritonServer, find_tritonserver
 from .protocol import DECODE_RULES, DEFAULT_MAX_PROMPT_BYTES
 from .repository import EngineSpec, ServeOptions, generate_repository, read_engine_manifest
@@ -59,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="target precision (default: the engine manifest's serving choice, else auto)")
     eng.add_argument("--draft-length", default="",
                      help="drafted tokens verified per step: N or auto (default: the manifest's, else the whole block)")
+    eng.add_argument("--prompt-lookup", default="", metavar="N",
+                     help="prompt lookup: verify what followed the latest earlier occurrence of a row's last n "
+                          "tokens (N >= n >= 2) instead of drafting; off or 0 turns it off (default: the manifest's, "
+                          "else off)")
     eng.add_argument("--tree-nodes", type=int, default=0,
                      help="rule tree: draft-tree nodes verified per step (default: the engine's, else 16)")
     eng.add_argument("--num-threads", type=int, default=0,
@@ -103,7 +109,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                         default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
                         draft_length=args.draft_length, tree_nodes=args.tree_nodes,
-                        num_threads=args.num_threads, draft_backend=args.draft_backend,
+                        prompt_lookup=args.prompt_lookup, num_threads=args.num_threads, draft_backend=args.draft_backend,
                         chat_template=not args.no_chat_template, profile=args.profile,
                         max_prompt_bytes=args.max_prompt_bytes, extra_parameters=extra)
 
@@ -113,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     from lilicorr.engine_dir import EngineDirError
     try:
         spec = spec_from_args(args)
+        opts = options_from_args(args)
+        parse_prompt_lookup(opts.prompt_lookup)
     except (EngineDirError, FileNotFoundError, ValueError) as e:   # one line, no traceback
         print(f"serve: error: {e}", file=sys.stderr, flush=True)
         return 2
-    opts = options_from_args(args)
     tmp = None
     if args.repo:
         repo_dir = Path(args.repo)

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Prompt lookup through Triton, on and off side by side (results/prompt_lookup_cpu/): the main job's
+# benchmark (deploy/bench.py: ar, argmax and lilicorr taking turns twice per concurrency, greedy,
+# stage profile) once per setting and suite, one fresh server each, on the engine that
+# scripts/demo.sh builds. Humaneval at concurrency 1 and 4 (the main job), general chat at 1.
+#   ENGINE (default engines/smollm2-lilicorr-onnxruntime), OUT (default results/prompt_lookup_cpu)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+export PYTHONUNBUFFERED=1
+engine=${ENGINE:-engines/smollm2-lilicorr-onnxruntime}
+out=${OUT:-results/prompt_lookup_cpu}
+mkdir -p "$out"
+run() {  # name, suite, concurrency, prompt lookup
+  python deploy/bench.py --engine "$engine" --prompts "$2" --limit 8 --concurrency "$3" --rules ar,argmax,lilicorr \
+    --max-tokens 64 --repeats 2 --profile --prompt-lookup "$4" --json "$out/$1.json" > "$out/$1.log" 2>&1
+}
+run humaneval-lookup humaneval 1,4 3
+run humaneval-no-lookup humaneval 1,4 off
+run chat-lookup lilicorr/data/chat_first_turn.jsonl 1 3
+run chat-no-lookup lilicorr/data/chat_first_turn.jsonl 1 off
+python scripts/results_tables.py bench "$out"/{humaneval-lookup,humaneval-no-lookup,chat-lookup,chat-no-lookup}.json
