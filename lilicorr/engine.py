@@ -492,7 +492,8 @@ class SpecEngine:
                 cost = self.cost.ratios(n)[:b]                           # cost[j]: verify j drafts
                 one_row = self.cost.draft_cost_at(n, 1)
                 # a row verifies its lookup where the row's acceptance of lookups pays for the verify
-                wish = ["lookup" if look[i] and best_length(self._lookup_expected(s, look[i]), cost, 0.0)[0]
+                lk_exp = {i: self._lookup_expected(s, look[i]) for i, s in enumerate(seqs) if look[i]}
+                wish = ["lookup" if i in lk_exp and best_length(lk_exp[i], cost, 0.0)[0]
                         else self._wants_draft(s, cost, one_row) for i, s in enumerate(seqs)]
                 self._schedule_probe(wish, seqs)
                 drafting = self._batch_drafting(wish, seqs, cost, lambda d: self.cost.draft_cost_at(n, d))
@@ -528,7 +529,7 @@ class SpecEngine:
                         expected[i] = _expected(rates)
                         lengths[i] = best_length(expected[i], cost, 0.0)[0]     # the draft is paid for
                     for i in lk_idx:               # a lookup costs no drafter pass; at most its own length
-                        expected[i] = self._lookup_expected(seqs[i], look[i])
+                        expected[i] = lk_exp[i]
                         lengths[i] = best_length(expected[i], cost, 0.0)[0]
                     lengths = _batch_cap(lengths, expected, cost)
                     for i in d_idx:                # a probe verifies at least one draft: it is there to learn
@@ -577,7 +578,8 @@ class SpecEngine:
                 if auto and i in where:
                     self._learn(s, a, n_d, probs[where[i]].tolist() if probs is not None else None)
                 if look[i]:                # verified or not, the committed tokens tell how far it was right
-                    s.lookup_steps += i in looked and n_d > 0
+                    if i in looked and n_d:
+                        s.lookup_steps += 1
                     self._learn_lookup(s, look[i], drafts[:a] + [bonus])
                 # roll the target cache back to anchor + accepted drafts (bonus not yet run)
                 new_len.append(s.anchor_pos + a + 1)

@@ -153,6 +153,7 @@ LINKS = {"target_dir": "target", "engine_dir": "engine", "ckpt_dir": "ckpt"}
 
 def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
     env = venv_root()
+    serving = (spec.manifest or {}).get("serving") or {}      # the engine's own serving choices
     return {
         "target_dir": LINKS["target_dir"],
         "engine_dir": LINKS["engine_dir"] if spec.engine_dir else "",
@@ -165,12 +166,11 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "default_max_tokens": str(opts.default_max_tokens),
         "default_decode_rule": opts.default_decode_rule,
         "device": opts.device,
-        "dtype": opts.dtype or ((spec.manifest or {}).get("serving") or {}).get("dtype") or "auto",
-        "draft_length": str(opts.draft_length or ((spec.manifest or {}).get("serving") or {}).get("draft_length") or ""),
-        "tree_nodes": str(opts.tree_nodes or ((spec.manifest or {}).get("serving") or {}).get("tree_nodes")
+        "dtype": opts.dtype or serving.get("dtype") or "auto",
+        "draft_length": str(opts.draft_length or serving.get("draft_length") or ""),
+        "tree_nodes": str(opts.tree_nodes or serving.get("tree_nodes")
                           or DEFAULT_TREE_NODES),
-        "prompt_lookup": str(parse_prompt_lookup(opts.prompt_lookup or ((spec.manifest or {}).get("serving") or {})
-                                                 .get("prompt_lookup") or 0)),
+        "prompt_lookup": str(parse_prompt_lookup(opts.prompt_lookup or serving.get("prompt_lookup") or 0)),
         "cancel_check_ms": str(opts.cancel_check_ms),
         "pre_instances": str(opts.pre_instances),
         "post_instances": str(opts.post_instances),
