@@ -29,7 +29,9 @@ observed acceptance) give the expected tokens E(L) of verifying L drafts; a `Cos
 this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows N and the drafter's
 cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
-under load speculation degrades to plain decoding. Such rows probe (draft anyway) now and then,
+under load speculation degrades to plain decoding. While a row skips, its history moves back
+towards the acceptance every row has shown (`_relax`), so a few rejected blocks pause its drafting
+instead of ending it. Rows probe (draft anyway) now and then,
 one row at a time for the whole batch (the one that has gone longest without drafting), so rows that
 start together do not all pay for a drafter pass at once; probes back off while probing steps commit
 fewer tokens than plain steps would have for their measured cost (drafter passes are priced by the
@@ -504,6 +506,8 @@ class SpecEngine:
             d_idx = [i for i in range(n) if drafting[i]]
             for i, s in enumerate(seqs):
                 s.idle = 0 if drafting[i] else s.idle + 1
+                if auto and not drafting[i]:
+                    self._relax(s)
             dseqs = [seqs[i] for i in d_idx]
             prop = None
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
@@ -712,6 +716,7 @@ class SpecEngine:
     ACCEPT_RATE = 0.3       # weight of one verified draft in a row's own acceptance history (0.1 drafted
                             # more at concurrency 1, tau 1.16 -> 1.24, but was not faster: 1.06x ar at 1, 0.96x at 4)
 
+    IDLE_RELAX = 0.3        # share of the way back to the prior a non-drafting row's history moves per step
     PROBE_BACKOFF_MAX = 16  # probes back off to at most once per PROBE_EVERY x this many steps
 
     @staticmethod
@@ -799,6 +804,14 @@ class SpecEngine:
             if p is not None and p[j] >= 0:
                 c = self._calib[j]
                 c[0], c[1] = 0.98 * c[0] + hit, 0.98 * c[1] + p[j]
+
+    def _relax(self, s: _Seq) -> None:
+        """A row that does not draft this step sees none of its drafts verified, so its own history
+        would stay where its last rejections left it: it moves IDLE_RELAX of the way back to the
+        acceptance every row has shown (the prior). A few unlucky blocks then pause a row's drafting
+        for a few steps instead of for good."""
+        for j, p in enumerate(self._prior):
+            s.accept_rate[j] += self.IDLE_RELAX * (p - s.accept_rate[j])
 
     @staticmethod
     def _lookup_expected(s: _Seq, draft: list[int]) -> list[float]:

@@ -370,31 +370,43 @@ def hf_to_native(sd: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, to
     return out
 
 
+def _cpu_flags() -> list[str]:
+    """This CPU's feature flags (/proc/cpuinfo; [] where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+
+
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU has bf16 matmul instructions (AVX512-BF16 or AMX-BF16). Without them PyTorch's
     bf16 matmuls run at a fraction of fp32 speed once more than one token is in flight
     (results/verify_cost_cpu.md), so bf16 only pays for the target where they exist."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = _cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles for bf16 (Sapphire Rapids and later Xeons): there an 8-token
+    bf16 verify costs about 1.1 plain steps (results/verify_cost_amx.md)."""
+    return "amx_bf16" in _cpu_flags()
+
+
 def resolve_precision(precision: torch.dtype | str | None, device: str | torch.device = "cpu") -> str:
-    """"auto" (or None) -> the serving precision here: bfloat16 on CUDA; on CPUs fp16-weights where
-    fbgemm is available (half the bytes per step, fp32 arithmetic), float32 otherwise. Not bfloat16 on
-    a CPU even with AMX: there a plain step measured 1.13x fp16-weights (results/verify_cost_amx.md);
-    an 8-token verify is cheaper in bf16 (1.09 plain steps against 1.30), but through Triton plain
-    decoding in fp16-weights was faster than every bf16 configuration at concurrency 1 and as fast
-    at 4 (results/main_job_cpu). bfloat16 asked for explicitly is lossless too: on a CPU it loads
-    batch-invariant (`load_target`). Names in PRECISIONS and torch dtypes pass through (as names)."""
+    """"auto" (or None) -> the serving precision here: bfloat16 on CUDA and on CPUs with AMX-BF16;
+    on other CPUs fp16-weights where fbgemm is available (half the bytes per step, fp32 arithmetic),
+    float32 otherwise. On AMX an 8-token verify costs 1.09 plain steps in bf16 against 1.30 in
+    fp16-weights (results/verify_cost_amx.md), so a served speculative request is faster in bf16
+    although a plain step is slower (results/serving_dtype_cpu: through Triton, `lilicorr` with
+    prompt lookup in bf16 against fp16-weights, and `ar` at concurrency 4). bf16 on a CPU loads
+    batch-invariant (`load_target`), so it stays lossless; where this machine's kernels fail that
+    check, `load_target` serves auto in the CPU's other precision instead. Names in PRECISIONS and
+    torch dtypes pass through (as names)."""
     if precision is None or precision == "auto":
-        if str(device).startswith("cuda"):
+        if str(device).startswith("cuda") or cpu_has_amx_bf16():
             return "bfloat16"
-        from .fp16_linear import fbgemm_fp16_available
-        return "fp16-weights" if fbgemm_fp16_available() else "float32"
+        return _cpu_fallback_precision()
     if isinstance(precision, torch.dtype):
         precision = str(precision).removeprefix("torch.")
     if precision not in PRECISIONS:
@@ -402,6 +414,12 @@ def resolve_precision(precision: torch.dtype | str | None, device: str | torch.d
     if precision == "fp16-weights" and str(device).startswith("cuda"):
         raise ValueError("fp16-weights is a CPU precision (fbgemm); use bfloat16 on CUDA")
     return precision
+
+
+def _cpu_fallback_precision() -> str:
+    """auto's CPU precision without bf16: fp16-weights where fbgemm has it, else float32."""
+    from .fp16_linear import fbgemm_fp16_available
+    return "fp16-weights" if fbgemm_fp16_available() else "float32"
 
 
 def precision_variant(spec: str) -> tuple[str, bool | None]:
@@ -429,9 +447,11 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     switches on `lilicorr.batch_invariant`'s mode, so a k-token verify decides as k one-token steps
     would; it is checked on this machine's kernels first, and a bf16 target whose kernels fail the
     check keeps PyTorch's own (with a warning: greedy speculative output may then differ from plain
-    greedy decoding on near-ties)."""
+    greedy decoding on near-ties), except under "auto", which then loads the CPU's other precision
+    (`_cpu_fallback_precision`) so that auto is always lossless."""
     path = Path(path)
     cfg = TargetConfig.from_hf_dir(path)
+    auto = dtype is None or dtype == "auto"
     precision = resolve_precision(dtype, device)
     dtype = resolve_dtype(precision, device)
     sd = {k: v.to(dtype) for k, v in hf_to_native(_read_safetensors(path), cfg).items()}
@@ -453,13 +473,21 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     if batch_invariant is None:
         batch_invariant = precision == "bfloat16" and torch.device(device).type == "cpu"
     if batch_invariant:
-        _make_batch_invariant(model)
+        fallback = auto and precision == "bfloat16"       # auto on an AMX CPU (CUDA never gets here)
+        _make_batch_invariant(model, warn=not fallback)
+        if fallback and not model.batch_invariant:
+            import warnings
+            other = _cpu_fallback_precision()
+            warnings.warn(f"bfloat16 kernels on this machine are not batch-invariant: dtype auto serves {other}",
+                          RuntimeWarning, stacklevel=2)
+            return load_target(path, other, device, yarn_factor)
     return model.eval()
 
 
-def _make_batch_invariant(model: TargetModel) -> None:
-    """Switch on batch-invariant mode where this machine's kernels pass the check; else warn and
-    keep PyTorch's kernels (`model.batch_invariant` records which)."""
+def _make_batch_invariant(model: TargetModel, warn: bool = True) -> None:
+    """Switch on batch-invariant mode where this machine's kernels pass the check; else keep
+    PyTorch's kernels and warn (unless not `warn`: the caller decides). `model.batch_invariant`
+    records which."""
     import warnings
 
     from .batch_invariant import check_batch_invariant, fit_single_rows, unpack, use_batch_invariant
@@ -473,6 +501,7 @@ def _make_batch_invariant(model: TargetModel) -> None:
     if any(f.startswith("linear") for f in failures) and unpack(model):
         fit_single_rows(model)                            # oneDNN's prepacked kernel failed: F.linear
         failures = check_batch_invariant(model)
+    model.batch_invariant = not failures
     if failures:
         for name, linear in linears.items():            # back to the plain modules and SDPA
             parent, _, attr = name.rpartition(".")
@@ -480,8 +509,8 @@ def _make_batch_invariant(model: TargetModel) -> None:
         for m in model.modules():
             if isinstance(m, Attention):
                 m.invariant_attention = False
-        warnings.warn(f"{model.precision} kernels on this machine are not batch-invariant ({failures[0]}"
-                      f"{f' and {len(failures) - 1} more' if len(failures) > 1 else ''}): greedy speculative "
-                      "output may differ from plain greedy decoding on near-ties; float32 or fp16-weights "
-                      "keep it equal", RuntimeWarning, stacklevel=3)
-    model.batch_invariant = not failures
+        if warn:
+            warnings.warn(f"{model.precision} kernels on this machine are not batch-invariant ({failures[0]}"
+                          f"{f' and {len(failures) - 1} more' if len(failures) > 1 else ''}): greedy speculative "
+                          "output may differ from plain greedy decoding on near-ties; float32 or fp16-weights "
+                          "keep it equal", RuntimeWarning, stacklevel=3)

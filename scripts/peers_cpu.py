@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Peers side by side at batch 1 on this CPU: HF transformers greedy `generate`, HF prompt-lookup
-decoding (`prompt_lookup_num_tokens`), and our engine's `ar`, `argmax`, `lilicorr` (fixed and auto
-draft length) offline, plus `lilicorr` / `ar` through a real Triton server when --engine is given.
+decoding (`prompt_lookup_num_tokens`), and our engine's `ar`, `argmax`, `lilicorr` (whole block and
+auto draft length) and `lilicorr_served` (auto draft length with prompt lookup, as an engine built by
+`convert/build_engine.py` serves by default) offline, plus `lilicorr` / `ar` through a real Triton server when --engine is given.
 
     python scripts/peers_cpu.py --target .cache/smollm2-135m-instruct-float32 \\
         --ckpt checkpoints/smollm2-lilicorr --engine engines/smollm2-lilicorr-onnxruntime \\
@@ -29,7 +30,7 @@ import torch
 from lilicorr.results_io import save_figure, write_report
 
 HF_SYSTEMS = ("hf_greedy", "hf_prompt_lookup")
-OUR_SYSTEMS = ("ar", "argmax", "lilicorr", "lilicorr_auto")
+OUR_SYSTEMS = ("ar", "argmax", "lilicorr", "lilicorr_auto", "lilicorr_served")
 
 
 def chat_ids(tok, item) -> list[int]:
@@ -57,7 +58,10 @@ def run_setting(args, dtype: str, threads: int, suites: dict, tok, log) -> list[
         model = load_model(args.ckpt, target) if any(s != "ar" for s in ours) else None
     for s in ours:
         runner = None if s == "ar" else TorchDraftRunner(model, 1)
-        engines[s] = SpecEngine(target, runner, max_batch=1, draft_length="auto" if s == "lilicorr_auto" else None)
+        served = s == "lilicorr_served"
+        engines[s] = SpecEngine(target, runner, max_batch=1,
+                                draft_length="auto" if s in ("lilicorr_auto", "lilicorr_served") else None,
+                                prompt_lookup=args.prompt_lookup if served else 0)
     stop = sorted(tok.eos_ids)
     rows = []
     for suite, prompts in suites.items():
@@ -205,7 +209,9 @@ def main(argv=None) -> int:
     p.add_argument("--triton-settings", default=None,
                    help="with --engine: the settings served through Triton (default: all of --settings)")
     p.add_argument("--systems", default=",".join(HF_SYSTEMS + OUR_SYSTEMS))
-    p.add_argument("--lookup", type=int, default=10, help="prompt_lookup_num_tokens")
+    p.add_argument("--lookup", type=int, default=10, help="HF's prompt_lookup_num_tokens")
+    p.add_argument("--prompt-lookup", type=int, default=3,
+                   help="lilicorr_served: longest n-gram our prompt lookup matches (the converter's default)")
     p.add_argument("--warmup", type=int, default=1, help="untimed prompts per system and setting, first")
     p.add_argument("--note", default="")
     p.add_argument("--out", required=True, help="output path without suffix (.json, .md, .png)")

@@ -675,6 +675,33 @@ def test_auto_draft_length_probes_one_row_at_a_time(tiny_target_dir):
     assert len(probed) >= 3, probed                              # several rows had their turn
 
 
+def test_auto_draft_length_rows_that_stopped_drafting_come_back(tiny_target_dir):
+    """A row whose own acceptance history says drafting does not pay (here: every slot at 0, as
+    after a run of rejected blocks) while every row's observed acceptance (the prior) says it does,
+    moves back towards the prior on each step it does not draft, and drafts again within a few
+    steps, without probes (switched off here). Without that it would never draft again: it sees no
+    verified drafts while it does not draft. Outputs stay the target's."""
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", high_accept=True)
+    _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)   # drafting always pays
+    engine.PROBE_EVERY = engine._probe_wait = 10 ** 9                      # no probes
+    engine._prior = [0.9] * len(engine._prior)
+    add = engine.add_request
+
+    def add_pessimist(*a, **k):
+        rid = add(*a, **k)
+        engine._seqs[rid].accept_rate = [0.0] * len(engine._prior)
+        return rid
+    engine.add_request = add_pessimist
+    results, events = run_requests(engine, reqs, runner=runner)
+    for i, (req, r) in enumerate(zip(reqs, results)):
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+        if req["rule"] != "ar":
+            steps = events[i][1:]
+            first = next((j for j, e in enumerate(steps) if e.drafted), None)
+            assert first is not None and 0 < first <= 5, (req["rule"], [e.drafted for e in steps])
+
+
 def test_auto_draft_length_new_rows_start_from_the_observed_acceptance(tiny_target_dir):
     """Under `auto` a new row's per-slot acceptance starts from what the engine has observed over
     all rows' verified drafts: below the initial prior for a drafter whose drafts are mostly

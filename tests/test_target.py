@@ -118,12 +118,13 @@ def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir,
 
 
 def test_precision_names_resolve(monkeypatch):
-    """auto: bf16 on CUDA; on CPUs fp16-weights where fbgemm has it, else fp32, also with native bf16
-    (slower than fp16-weights where measured); fp16-weights computes in float32 and is refused on
-    CUDA; unknown names are refused; NAME:plain asks for PyTorch's own kernels."""
+    """auto: bf16 on CUDA and on CPUs with AMX-BF16; on other CPUs fp16-weights where fbgemm has it,
+    else fp32, also with AVX512-BF16 alone; fp16-weights computes in float32 and is refused on CUDA;
+    unknown names are refused; NAME:plain asks for PyTorch's own kernels."""
     import lilicorr.fp16_linear as fl
     import lilicorr.target as tg
     assert tg.resolve_precision("auto", "cuda") == "bfloat16" and tg.resolve_dtype("auto", "cuda") == torch.bfloat16
+    monkeypatch.setattr(tg, "cpu_has_amx_bf16", lambda: False)
     monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
     assert tg.resolve_precision(None) == "fp16-weights" and tg.resolve_dtype("auto") == torch.float32
@@ -133,6 +134,9 @@ def test_precision_names_resolve(monkeypatch):
     assert tg.resolve_precision("auto") == "float32"
     monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
     assert tg.resolve_precision("auto") == "fp16-weights"
+    monkeypatch.setattr(tg, "cpu_has_amx_bf16", lambda: True)
+    assert tg.resolve_precision("auto") == "bfloat16" and tg.resolve_dtype(None) == torch.bfloat16
+    assert tg.resolve_precision("fp16-weights") == "fp16-weights"        # a name asked for stays
     assert tg.resolve_precision(torch.float16) == "float16" and tg.resolve_dtype("bfloat16") == torch.bfloat16
     with pytest.raises(ValueError, match="CPU precision"):
         tg.resolve_precision("fp16-weights", "cuda")
@@ -603,3 +607,24 @@ def test_sharded_checkpoint_loads(tiny_target_dir, tmp_path):
     ids = torch.randint(0, 96, (1, 6), generator=torch.Generator().manual_seed(6))
     a = load_target(tmp_path)(ids, _positions(1, 6)).logits
     assert torch.equal(a, load_target(path)(ids, _positions(1, 6)).logits)
+
+
+def test_auto_on_amx_falls_back_where_bf16_kernels_fail(tiny_target_dir, monkeypatch):
+    """auto on an AMX CPU loads bf16, batch-invariant (lossless). On a machine whose bf16 kernels
+    fail the batch-invariance check (made to fail here: the check's verdict is the only thing
+    replaced), auto loads the CPU's other precision with a warning instead of serving a lossy bf16;
+    bf16 asked for by name keeps PyTorch's kernels and warns, as before."""
+    import lilicorr.batch_invariant as bi
+    import lilicorr.target as tg
+    path = tiny_target_dir("llama")
+    monkeypatch.setattr(tg, "cpu_has_amx_bf16", lambda: True)
+    model = load_target(path, dtype="auto")
+    if model.precision == "bfloat16":           # this machine's kernels passed the real check
+        assert model.batch_invariant
+    monkeypatch.setattr(bi, "check_batch_invariant", lambda m: ["linear: rows differ (forced)"])
+    with pytest.warns(RuntimeWarning, match="dtype auto serves"):
+        model = load_target(path, dtype="auto")
+    assert model.precision == tg._cpu_fallback_precision() and not model.batch_invariant
+    with pytest.warns(RuntimeWarning, match="not batch-invariant"):
+        named = load_target(path, dtype="bfloat16")
+    assert named.precision == "bfloat16" and not named.batch_invariant

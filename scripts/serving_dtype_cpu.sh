@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The served target's precision through Triton, side by side (results/serving_dtype_cpu/): the main
+# job's benchmark (deploy/bench.py: the rules taking turns twice per concurrency, greedy, stage
+# profile) on the engine that scripts/demo.sh builds, with its serving defaults (auto draft length,
+# prompt lookup 3), once with the target in bfloat16 (batch-invariant kernels) and once in
+# fp16-weights, on humaneval and on general chat prompts, at concurrency 1, 2, 4 and 8. One fresh
+# server per run; the runs alternate precisions.
+#   ENGINE (default engines/smollm2-lilicorr-onnxruntime), OUT (default results/serving_dtype_cpu),
+#   RULES (default ar,lilicorr), CONCURRENCY (default 1,2,4,8)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. .venv/bin/activate
+export PYTHONUNBUFFERED=1
+engine=${ENGINE:-engines/smollm2-lilicorr-onnxruntime}
+out=${OUT:-results/serving_dtype_cpu}
+mkdir -p "$out"
+run() {  # name, suite, dtype
+  python deploy/bench.py --engine "$engine" --prompts "$2" --limit 8 --concurrency "${CONCURRENCY:-1,2,4,8}" \
+    --rules "${RULES:-ar,lilicorr}" --max-tokens 64 --repeats 2 --profile --dtype "$3" \
+    --json "$out/$1.json" > "$out/$1.log" 2>&1
+}
+chat=lilicorr/data/chat_first_turn.jsonl
+run humaneval-bfloat16 humaneval bfloat16
+run humaneval-fp16-weights humaneval fp16-weights
+run chat-fp16-weights "$chat" fp16-weights
+run chat-bfloat16 "$chat" bfloat16
+python scripts/results_tables.py bench "$out"/{humaneval-bfloat16,humaneval-fp16-weights,chat-bfloat16,chat-fp16-weights}.json
