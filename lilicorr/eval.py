@@ -213,6 +213,7 @@ def aggregate(results, rule: str, wall_s: float, block_size: int) -> dict:
         "slot_accepted": accepted,
         "slot_reached": reached,
         "accept_hist": hist,
+        "lookup_steps": lookup,
         "lookup_step_share": (lookup / steps if steps else None) if rule != "ar" else None,
         "finish_reasons": reasons,
     }
@@ -513,7 +514,8 @@ def _overall(per, rules, seeds, block_size) -> dict:
                 "slot_acceptance": [a / r if r else None for a, r in zip(accepted, reached)],
                 "slot_accepted": accepted, "slot_reached": reached,
                 "accept_hist": [sum(r["accept_hist"][k] for r in runs) for k in range(block_size + 1)],
-                "lookup_step_share": (sum((r["lookup_step_share"] or 0) * r["verify_steps"] for r in runs) / steps
+                "lookup_steps": sum(r["lookup_steps"] for r in runs),
+                "lookup_step_share": (sum(r["lookup_steps"] for r in runs) / steps
                                       if steps else None) if rule != "ar" else None,
                 "finish_reasons": reasons,
             }
