@@ -33,8 +33,8 @@ def parse_args(argv=None):
                    help="TensorRT-RTX targets, comma separated (default SM80,SM86,SM89,SM120)")
     p.add_argument("--serve-dtype", default="auto",
                    choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
-                   help="target precision the manifest asks servers to use (auto: bf16 on CUDA; on CPUs "
-                        "fp16-weights where fbgemm has it, else fp32)")
+                   help="target precision the manifest asks servers to use (auto: bf16 on CUDA and on AMX "
+                        "CPUs; on other CPUs fp16-weights where fbgemm has it, else fp32)")
     p.add_argument("--draft-length", default="auto",
                    help="drafted tokens verified per step recorded for serving: auto (the default: per row "
                         "and step, what pays for itself at the current load), N, or '' (the whole block)")

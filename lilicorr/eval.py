@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=2048, help="context limit of the engine")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
-                   help="target precision; auto = bfloat16 on CUDA; on CPUs "
-                        "fp16-weights (fp16 weight matrices, fp32 arithmetic; CPU fbgemm) where available, "
-                        "else float32")
+                   help="target precision; auto = bfloat16 on CUDA and on CPUs with AMX-BF16 "
+                        "(batch-invariant); on other CPUs fp16-weights (fp16 weight matrices, fp32 "
+                        "arithmetic; CPU fbgemm) where available, else float32")
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
                    help="rule tree: draft-tree nodes M verified per step (best-first over the lattice)")
     p.add_argument("--draft-length", default=None,

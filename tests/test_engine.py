@@ -896,7 +896,7 @@ def test_bf16_batch_invariant_speculative_equals_ar(tiny_target_dir, family):
 @pytest.mark.parametrize("dtype", ["fp16-weights", "bfloat16"])
 def test_smollm2_speculative_equals_ar(smollm2_dir, dtype):
     """The same on SmolLM2-135M-Instruct with chat prompts: fp16-weights (what `auto` serves on
-    CPUs) and bf16 in batch-invariant mode."""
+    CPUs without AMX) and bf16 in batch-invariant mode (what it serves on AMX CPUs)."""
     target = load_target(smollm2_dir, dtype=dtype)
     if dtype == "bfloat16" and not target.batch_invariant:
         pytest.skip("this machine's bf16 kernels are not batch-invariant (load_target warned)")

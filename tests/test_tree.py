@@ -254,7 +254,7 @@ def test_tree_rule_needs_a_head_and_a_valid_size(tiny_target_dir):
 
 @pytest.mark.slow
 def test_smollm2_tree_rule_is_lossless(smollm2_dir):
-    """The real target in fp16-weights (auto on CPUs without native bf16) with scripted pools:
+    """The real target in fp16-weights (auto on CPUs without AMX) with scripted pools:
     `tree` output equals `ar` of the same target token for token."""
     target = load_target(smollm2_dir, dtype="fp16-weights")
     from lilicorr.draft_runner import TorchDraftRunner
