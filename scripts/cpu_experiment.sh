@@ -22,7 +22,8 @@
 # SEED_DATA (default data/smollm2, committed): gzipped magpie prompts and regen files copied into an
 # empty WORK first, so regen resumes after them instead of starting over (SEED_DATA= to start empty).
 # DTYPE (float32 | bfloat16) is the target's dtype in regen, features and eval; the default is the
-# serving default's arithmetic (float32 on CPUs; DTYPE=bfloat16 is faster where bf16 is native).
+# serving default's arithmetic (bfloat16 on AMX CPUs, float32 on other CPUs; DTYPE=bfloat16 is faster
+# wherever bf16 is native; runs meant to compare with earlier evals pin the same DTYPE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate

@@ -2,7 +2,8 @@
 """Peers side by side at batch 1 on this CPU: HF transformers greedy `generate`, HF prompt-lookup
 decoding (`prompt_lookup_num_tokens`), and our engine's `ar`, `argmax`, `lilicorr` (whole block and
 auto draft length) and `lilicorr_served` (auto draft length with prompt lookup, as an engine built by
-`convert/build_engine.py` serves by default) offline, plus `lilicorr` / `ar` through a real Triton server when --engine is given.
+`convert/build_engine.py` serves by default) offline, plus `lilicorr` / `ar` through a real Triton
+server (with the engine's serving defaults) when --engine is given.
 
     python scripts/peers_cpu.py --target .cache/smollm2-135m-instruct-float32 \\
         --ckpt checkpoints/smollm2-lilicorr --engine engines/smollm2-lilicorr-onnxruntime \\
@@ -58,10 +59,9 @@ def run_setting(args, dtype: str, threads: int, suites: dict, tok, log) -> list[
         model = load_model(args.ckpt, target) if any(s != "ar" for s in ours) else None
     for s in ours:
         runner = None if s == "ar" else TorchDraftRunner(model, 1)
-        served = s == "lilicorr_served"
         engines[s] = SpecEngine(target, runner, max_batch=1,
                                 draft_length="auto" if s in ("lilicorr_auto", "lilicorr_served") else None,
-                                prompt_lookup=args.prompt_lookup if served else 0)
+                                prompt_lookup=args.prompt_lookup if s == "lilicorr_served" else 0)
     stop = sorted(tok.eos_ids)
     rows = []
     for suite, prompts in suites.items():
