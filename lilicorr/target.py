@@ -12,6 +12,7 @@ last id (L-1) gives the state after the final norm.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, field
@@ -370,13 +371,14 @@ def hf_to_native(sd: dict[str, torch.Tensor], cfg: TargetConfig) -> dict[str, to
     return out
 
 
-def _cpu_flags() -> list[str]:
-    """This CPU's feature flags (/proc/cpuinfo; [] where there is none)."""
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> tuple[str, ...]:
+    """This CPU's feature flags (/proc/cpuinfo, read once; () where there is none)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return []
-    return next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+        return ()
+    return tuple(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def cpu_has_native_bf16() -> bool:
