@@ -6,7 +6,9 @@
 
 Used by `scripts/verify_cost.py` (the committed t(k)/t(1) table) and by the engine's adaptive
 draft length (`--draft-length auto`), which measures the ratios at start-up on the machine it
-runs on (and once more the first time a new number of running rows appears).
+runs on (and once more the first time a new number of running rows appears), then keeps them
+true while it serves: every verify forward it runs is folded in (`observe_verify`), per exact number
+of rows, so the start-up's few noisy samples at a power-of-two load do not decide every step.
 """
 from __future__ import annotations
 
@@ -53,11 +55,23 @@ def measure_forward_times(target, rows: int = 1, ks=range(1, 17), context: int =
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+class _Observed:
+    """The verify cost at one exact number of rows as serving measures it: t(1) in seconds and the
+    ratios t(k)/t(1), each a running mean, started from the start-up measurement of its bucket."""
+
+    def __init__(self, base: float, ratios: list[float]):
+        self.base, self.ratios = base, list(ratios)
+
+
 class CostModel:
     """t_N(k) / t_N(1) per number of rows N, measured on first use of N (rounded up to a power of
-    two, so a handful of measurements covers every load). `draft_seconds` holds the drafter pass's
-    wall time per number of drafting rows D (same buckets), a running mean of what the engine
-    measures while it drafts; `draft_cost_at` prices it in plain steps of the current load."""
+    two, so a handful of measurements covers every load), then corrected by what serving measures
+    (`observe_verify`, per exact N; `online=False` keeps the start-up figures). `draft_seconds`
+    holds the drafter pass's wall time per number of drafting rows D (same buckets), a running mean
+    of what the engine measures while it drafts; `draft_cost_at` prices it in plain steps of the
+    current load."""
+
+    OBSERVE_RATE = 0.1      # weight of one served verify forward in the running means
 
     def __init__(self, target, max_k: int, capture=(), reps: int = 5, context: int = 128):
         self.target, self.max_k, self.capture = target, max_k, list(capture)
@@ -65,25 +79,56 @@ class CostModel:
         self._ratios: dict[int, list[float]] = {}     # bucket -> [ratio k=1..max_k] (index k-1)
         self.step_seconds: dict[int, float] = {}      # bucket -> t_N(1)
         self.draft_seconds: dict[int, float] = {}     # bucket of drafting rows D -> drafter seconds
+        self.online = True
+        self._observed: dict[int, _Observed] = {}     # exact rows -> served verify costs
 
     @staticmethod
     def bucket(rows: int) -> int:
         return 1 << max(rows - 1, 0).bit_length()
 
     def ratios(self, rows: int) -> list[float]:
+        """[t_N(k)/t_N(1) for k = 1..max_k] at N = rows, non-decreasing in k."""
+        if self.online and rows in self._observed:
+            return self._monotone(self._observed[rows].ratios)
+        return self._measured(rows)
+
+    @staticmethod
+    def _monotone(ratios: list[float]) -> list[float]:
+        """Cost never decreases with k: the running max, so noise cannot invent free tokens."""
+        out, run = [], 0.0
+        for r in ratios:
+            run = max(run, r)
+            out.append(run)
+        out[0] = 1.0
+        return out
+
+    def _measured(self, rows: int) -> list[float]:
+        """The start-up measurement of rows' bucket (made now if it has none)."""
         b = self.bucket(rows)
         if b not in self._ratios:
             t = measure_forward_times(self.target, rows=b, ks=range(1, self.max_k + 1), context=self.context,
                                       reps=self.reps, warmup=1, capture=self.capture)
-            # cost never decreases with k: take the running max so noise cannot invent free tokens
-            r, run = [], 0.0
-            for k in range(1, self.max_k + 1):
-                run = max(run, t[k] / t[1])
-                r.append(run)
-            r[0] = 1.0
-            self._ratios[b] = r
+            self._ratios[b] = self._monotone([t[k] / t[1] for k in range(1, self.max_k + 1)])
             self.step_seconds[b] = t[1]
         return self._ratios[b]
+
+    def observe_verify(self, rows: int, k: int, seconds: float) -> None:
+        """Fold one served verify forward (k tokens for each of `rows` rows, `seconds` of wall) into
+        the cost at exactly `rows` rows: t(1) when k = 1, else the ratio t(k)/t(1) against the
+        current t(1). Served contexts, kernels warmed by real traffic and the machine's other load
+        then price the next steps, not only the start-up's few samples."""
+        if not self.online or not 1 <= k <= self.max_k:
+            return
+        obs = self._observed.get(rows)
+        if obs is None:
+            self._measured(rows)
+            b = self.bucket(rows)
+            obs = self._observed[rows] = _Observed(self.step_seconds[b], self._ratios[b])
+        a = self.OBSERVE_RATE
+        if k == 1:
+            obs.base += a * (seconds - obs.base)
+        else:
+            obs.ratios[k - 1] += a * (seconds / obs.base - obs.ratios[k - 1])
 
     def ratio(self, rows: int, k: int) -> float:
         """Cost of verifying k tokens per row (k = drafted + 1) in plain steps at `rows` rows."""
@@ -102,10 +147,16 @@ class CostModel:
             d = seen[0]
         return self.plain_steps(rows, self.draft_seconds[d])
 
+    def plain_seconds(self, rows: int) -> float:
+        """t_N(1) at N = rows: served (`observe_verify`) where there is any, else measured."""
+        if self.online and rows in self._observed:
+            return self._observed[rows].base
+        self._measured(rows)
+        return self.step_seconds[self.bucket(rows)]
+
     def plain_steps(self, rows: int, seconds: float) -> float:
         """`seconds` in plain steps (t_N(1)) at `rows` rows."""
-        self.ratios(rows)
-        return seconds / self.step_seconds[self.bucket(rows)]
+        return seconds / self.plain_seconds(rows)
 
     def observe_draft(self, drafting: int, seconds: float, replace: bool = False) -> None:
         """Fold one measured drafter pass over `drafting` rows (context append + draft) into the

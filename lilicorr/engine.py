@@ -31,8 +31,12 @@ cost in plain steps. A row verifies the L maximising E(L) / cost(L); a row whose
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
 under load speculation degrades to plain decoding. While a row skips, its history moves back
 towards the acceptance every row has shown (`_relax`), so a few rejected blocks pause its drafting
-instead of ending it. Rows probe (draft anyway) now and then,
-one row at a time for the whole batch (the one that has gone longest without drafting), so rows that
+instead of ending it. The verify costs keep learning while serving (`CostModel.observe_verify`, per
+exact number of rows). The batch drafts only where the whole step is expected to beat the same step
+without the drafter, and only at loads where drafting steps have, on a running mean, committed more
+tokens per unit of measured cost than that (`_learn_draft_gain`): where plans overrate drafting,
+the load pauses it and falls back to plain steps and lookups. Rows probe (draft anyway) now and
+then, one row at a time for the whole batch (the one that has gone longest without drafting), so rows that
 start together do not all pay for a drafter pass at once; probes back off while probing steps commit
 fewer tokens than plain steps would have for their measured cost (drafter passes are priced by the
 number of rows that draft). A new row starts from the acceptance observed over all rows so far, so a weak
@@ -241,6 +245,10 @@ class SpecEngine:
         # committed fewer tokens than its cost in plain steps, back to 1 after one that paid
         self._probe_scale = 1
         self._probe_wait = self.PROBE_EVERY        # steps until the next probe
+        # per number of rows: (tokens its drafting steps committed, tokens the same batches would have
+        # committed without the drafter in the same time), running sums (`_learn_draft_gain`); the
+        # gate drafts where their ratio is >= 1
+        self._draft_gain: dict[int, tuple[float, float]] = {}
 
     # -- construction --------------------------------------------------------------------------
     @classmethod
@@ -498,10 +506,14 @@ class SpecEngine:
                 wish = ["lookup" if i in lk_exp and best_length(lk_exp[i], cost, 0.0)[0]
                         else self._wants_draft(s, cost, one_row) for i, s in enumerate(seqs)]
                 self._schedule_probe(wish, seqs)
-                drafting = self._batch_drafting(wish, seqs, cost, lambda d: self.cost.draft_cost_at(n, d))
                 lk_idx = [i for i in range(n) if wish[i] == "lookup"]          # rows verifying a lookup
+                drafting, plain = self._batch_drafting(
+                    wish, seqs, cost, lambda d: self.cost.draft_cost_at(n, d),
+                    lookups={i: lk_exp[i] for i in lk_idx}, allowed=self._draft_gain_at(n) >= 1.0)
+                if plain is None:
+                    self._relax_draft_gain(n)
             else:
-                wish, drafting = [None] * n, [not x for x in look]
+                wish, drafting, plain = [None] * n, [not x for x in look], None
                 lk_idx = [i for i in range(n) if look[i]]
             d_idx = [i for i in range(n) if drafting[i]]
             for i, s in enumerate(seqs):
@@ -555,7 +567,11 @@ class SpecEngine:
                     block[i, 1: 1 + lengths[i]] = torch.tensor(look[i][: lengths[i]], device=dev)
             rows = torch.tensor([s.tslot for s in seqs], device=dev)
             pos = apos[:, None] + torch.arange(t, device=dev)[None, :]
+            tv = time.perf_counter()
             out = self.target(block, pos, cache=self.cache, rows=rows, capture=self.capture)
+            verify_s = time.perf_counter() - tv
+            if auto:
+                self.cost.observe_verify(n, t, verify_s)
         events = []
         with stage(STAGE_ACCEPT):
             logits = out.logits                                               # [N, T, V]
@@ -594,6 +610,9 @@ class SpecEngine:
                 # this step's own drafter time: a probing row first catches up its context
                 paid = cost[max(lengths)] + self.cost.plain_steps(n, draft_s)
                 self._probe_outcome(sum(e.accepted for e in events), paid, n)
+            if plain is not None:
+                self._learn_draft_gain(n, sum(e.accepted for e in events),
+                                       self.cost.plain_steps(n, verify_s + draft_s), plain)
         return events
 
     def _draft(self, dseqs: list[_Seq], anchors: torch.Tensor, apos: torch.Tensor):
@@ -753,22 +772,68 @@ class SpecEngine:
             self._probe_scale = min(2 * self._probe_scale, self.PROBE_BACKOFF_MAX)
 
     @staticmethod
-    def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: list[float],
-                        draft_cost_of) -> list[bool]:
+    def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: list[float], draft_cost_of,
+                        lookups: dict[int, list[float]] | None = None,
+                        allowed: bool = True) -> tuple[list[bool], float | None]:
         """Which rows draft. Every row of a step pays for the longest verify and for the drafter
         pass (draft_cost_of(D): its cost in plain steps over D drafting rows), so the rows that would
-        gain draft only if the whole batch commits more tokens per unit cost than a plain step (n
-        tokens for 1); probes always draft."""
+        gain draft only if the whole batch is expected to commit more tokens per unit cost than it
+        would without the drafter (n tokens for one plain step, or the rows verifying a lookup,
+        `lookups` {row: expected tokens}, verifying theirs), and only where drafting is `allowed`
+        at this load (`_learn_draft_gain`). Probes always draft. Returns (which rows draft, the
+        expected tokens per plain step without the drafter when the gain rows draft, else None)."""
         n = len(seqs)
-        gain = [i for i, w in enumerate(wish) if w == "gain"]
+        lookups = lookups or {}
+        gain = [i for i, w in enumerate(wish) if w == "gain"] if allowed else []
+        plain = None
         if gain:
             draft_cost = draft_cost_of(len(gain) + wish.count("probe"))
             exp = {i: _expected(seqs[i].accept_rate) for i in gain}
             lens = {i: best_length(exp[i], cost, draft_cost)[0] for i in gain}
-            tokens = n - len(gain) + sum(exp[i][lens[i]] for i in gain)
-            if tokens / (cost[max(lens.values())] + draft_cost) <= n:
-                gain = []
-        return [i in gain or wish[i] == "probe" for i in range(n)]
+            lk = {i: best_length(e, cost, 0.0)[0] for i, e in lookups.items()}
+            looked = sum(lookups[i][lk[i]] for i in lk)
+            # without the drafter: the lookup rows verify theirs, every other row takes a plain step
+            plain = (n - len(lk) + looked) / cost[max(lk.values(), default=0)]
+            tokens = n - len(gain) - len(lk) + sum(exp[i][lens[i]] for i in gain) + looked
+            if tokens / (cost[max([*lens.values(), *lk.values()])] + draft_cost) <= plain:
+                gain, plain = [], None
+        return [i in gain or wish[i] == "probe" for i in range(n)], plain
+
+    DRAFT_GAIN_RATE = 0.05   # weight of one drafting step in its load's running sums
+    DRAFT_GAIN_RELAX = 0.05  # share of the way to DRAFT_GAIN_RETRY a paused load moves per step
+    DRAFT_GAIN_RETRY = 1.1
+    DRAFT_GAIN_PRIOR = 5     # a load's sums start as this many steps at DRAFT_GAIN_RETRY
+
+    def _draft_gain_at(self, rows: int) -> float:
+        """Tokens committed per unit of measured cost by drafting steps at `rows` rows, against the
+        same batches without the drafter (running sums; 1.0 before any)."""
+        got, plain = self._draft_gain.get(rows, (1.0, 1.0))
+        return got / plain
+
+    def _learn_draft_gain(self, rows: int, tokens: int, paid: float, plain: float) -> None:
+        """A step whose gain rows drafted committed `tokens` for `paid` plain steps (its verify and
+        drafter pass, measured), where the batch would have committed `plain` per plain step
+        without the drafter, so `paid * plain` in the same time. Both go into the load's running
+        sums (a ratio of sums: a few unlucky blocks move it little). While their ratio is below 1,
+        drafting steps at this load have been slower than plain steps (their plans overrated them:
+        acceptance the walk's probabilities then cut short, a drafter pass dearer than its running
+        mean), and the gate keeps the drafter off there: speculation falls back to plain steps and
+        lookups instead of running below plain decoding."""
+        if not self.cost.online or paid <= 0 or plain <= 0:
+            return
+        step = paid * plain                  # the tokens plain steps would have committed meanwhile
+        prior = self.DRAFT_GAIN_PRIOR * step   # a first unlucky block or two must not pause the load
+        got, base = self._draft_gain.get(rows, (self.DRAFT_GAIN_RETRY * prior, prior))
+        keep = 1.0 - self.DRAFT_GAIN_RATE
+        self._draft_gain[rows] = (keep * got + tokens, keep * base + step)
+
+    def _relax_draft_gain(self, rows: int) -> None:
+        """A load whose gain rows do not draft learns nothing new: its ratio moves towards
+        DRAFT_GAIN_RETRY, so a bad stretch pauses drafting there for a few dozen steps, then the
+        gate lets it try again (and the next drafting steps decide)."""
+        if rows in self._draft_gain:
+            got, base = self._draft_gain[rows]
+            self._draft_gain[rows] = (got + self.DRAFT_GAIN_RELAX * (self.DRAFT_GAIN_RETRY * base - got), base)
 
     @staticmethod
     def _walk_probs(prop) -> torch.Tensor | None:

@@ -6,7 +6,8 @@
 # fp16-weights, on humaneval and on general chat prompts, at concurrency 1, 2, 4 and 8. One fresh
 # server per run; the runs alternate precisions.
 #   ENGINE (default engines/smollm2-lilicorr-onnxruntime), OUT (default results/serving_dtype_cpu),
-#   RULES (default ar,lilicorr), CONCURRENCY (default 1,2,4,8)
+#   RULES (default ar,lilicorr), CONCURRENCY (default 1,2,4,8), DTYPES (default "bfloat16 fp16-weights":
+#   DTYPES=bfloat16 runs the serving default on an AMX CPU alone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
@@ -20,8 +21,10 @@ run() {  # name, suite, dtype
     --json "$out/$1.json" > "$out/$1.log" 2>&1
 }
 chat=lilicorr/data/chat_first_turn.jsonl
-run humaneval-bfloat16 humaneval bfloat16
-run humaneval-fp16-weights humaneval fp16-weights
-run chat-fp16-weights "$chat" fp16-weights
-run chat-bfloat16 "$chat" bfloat16
-python scripts/results_tables.py bench "$out"/{humaneval-bfloat16,humaneval-fp16-weights,chat-bfloat16,chat-fp16-weights}.json
+dtypes=(${DTYPES:-bfloat16 fp16-weights})
+runs=()
+for d in "${dtypes[@]}"; do run "humaneval-$d" humaneval "$d"; runs+=("$out/humaneval-$d.json"); done
+for ((i = ${#dtypes[@]} - 1; i >= 0; i--)); do    # the other order on chat: neither dtype always runs first
+  d=${dtypes[i]}; run "chat-$d" "$chat" "$d"; runs+=("$out/chat-$d.json")
+done
+python scripts/results_tables.py bench "${runs[@]}"

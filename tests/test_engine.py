@@ -590,6 +590,7 @@ def _set_costs(engine, verify_ratio, step_seconds):
     """Fill the engine's measured cost model with chosen numbers for every load bucket:
     verify_ratio(k) = t_N(k)/t_N(1); the drafter's measured seconds are divided by step_seconds."""
     cm = engine.cost
+    cm.online = False                  # these figures, not what the run measures, price every step
     for b in (1, 2, 4, 8):
         cm._ratios[b] = [verify_ratio(k) for k in range(1, cm.max_k + 1)]
         cm.step_seconds[b] = step_seconds
@@ -916,10 +917,81 @@ def test_auto_draft_length_decides_for_the_whole_batch():
     assert _batch_cap([2, 2], [gain, gain], cost) == [1, 1]
     rows = [type("Row", (), {"accept_rate": [0.9, 0.6, 0.3]})() for _ in range(4)]
     both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, cost, lambda d: 0.1)
-    assert both == [False, False, False, True]            # one row's gain does not pay for four rows
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.1) == [True] * 4
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.05 * d) == [True] * 4
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.5 * d) == [False] * 4  # 4 rows' pass
+    assert both == ([False, False, False, True], None)    # one row's gain does not pay for four rows
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.1) == ([True] * 4, 4.0)
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.05 * d)[0] == [True] * 4
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.5 * d)[0] == [False] * 4  # 4 rows' pass
+    # a load whose drafting steps have been slower than plain ones: only the probe drafts
+    assert SpecEngine._batch_drafting(["gain", "gain", "gain", "probe"], rows, cost, lambda d: 0.1,
+                                      allowed=False) == ([False, False, False, True], None)
+    # the bar is the batch without the drafter: with cheap verifies two rows verify good lookups
+    # (2 drafts each: 2 x 2.7 + 2 tokens for 1.2 plain steps = 6.17 per plain step); drafting the two
+    # others (3 drafts each: 2 x 2.602 + 5.4 tokens for 1.3 + the pass) beats n = 4 but not that
+    cheap = [1.0, 1.1, 1.2, 1.3]
+    lookups = {2: [1.0, 1.9, 2.7], 3: [1.0, 1.9, 2.7]}
+    wish = ["gain", "gain", "lookup", "lookup"]
+    assert SpecEngine._batch_drafting(wish, rows, cheap, lambda d: 0.5, lookups=lookups) == ([False] * 4, None)
+    drafts, plain = SpecEngine._batch_drafting(wish, rows, cheap, lambda d: 0.1, lookups=lookups)
+    assert drafts == [True, True, False, False] and plain == pytest.approx(7.4 / 1.2)
+
+
+def test_served_verify_costs_replace_the_start_up_figures():
+    """While serving, every verify forward folds into the cost at its exact number of rows: t(1) in
+    seconds, t(k)/t(1) as ratios, each a running mean started from the bucket's start-up figures;
+    ratios stay non-decreasing in k; with online=False the start-up figures stand (by hand)."""
+    from lilicorr.costmodel import CostModel
+    cm = CostModel(target=None, max_k=4)
+    cm._ratios[4], cm.step_seconds[4] = [1.0, 1.02, 1.2, 1.3], 0.05
+    cm.observe_verify(3, 1, 0.04)                       # 3 rows: a bucket-4 load with its own figures
+    assert cm.plain_seconds(3) == pytest.approx(0.05 + 0.1 * (0.04 - 0.05))
+    assert cm.plain_seconds(4) == 0.05 and cm.ratios(4) == [1.0, 1.02, 1.2, 1.3]
+    base = cm.plain_seconds(3)
+    cm.observe_verify(3, 2, 3.0 * base)                 # verifying 2 tokens was dearer than measured
+    assert cm.ratio(3, 2) == pytest.approx(1.02 + 0.1 * (3.0 - 1.02))      # 1.218: above k = 3's 1.2
+    assert cm.ratios(3)[2] == cm.ratio(3, 2) and cm.ratio(3, 4) == 1.3      # a running max over k
+    assert cm.plain_steps(3, 2 * base) == pytest.approx(2.0)
+    cm.observe_verify(3, 9, 1.0)                        # wider than the block: not a verify it prices
+    cm.online = False
+    cm.observe_verify(4, 1, 1.0)
+    assert cm.ratios(3) == [1.0, 1.02, 1.2, 1.3] and cm.plain_seconds(3) == 0.05 and 4 not in cm._observed
+
+
+def test_auto_draft_length_pauses_where_drafting_steps_were_slower(tiny_target_dir):
+    """A drafting step's realized tokens per unit of measured cost, against the same batch without
+    the drafter, is a running mean per number of rows (by hand); where it is below 1 the gate keeps
+    the drafter off (no probes here), so those steps run plain, and a paused load moves back
+    towards trying again while it does not draft. Outputs stay the target's."""
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", high_accept=True)
+    engine.cost.online = True
+    assert engine._draft_gain_at(2) == 1.0                           # nothing seen: the gate is open
+    engine._learn_draft_gain(2, tokens=3, paid=2.0, plain=2.0)      # 3 tokens where plain steps made 4
+    engine._learn_draft_gain(2, tokens=5, paid=2.0, plain=2.0)      # 5 where they made 4
+    keep, prior = 1 - SpecEngine.DRAFT_GAIN_RATE, SpecEngine.DRAFT_GAIN_PRIOR * 4
+    retry = SpecEngine.DRAFT_GAIN_RETRY
+    want = ((keep * (keep * retry * prior + 3) + 5) / (keep * (keep * prior + 4) + 4))   # a ratio of sums
+    assert engine._draft_gain_at(2) == pytest.approx(want)
+    for _ in range(3):
+        engine._learn_draft_gain(2, tokens=1, paid=2.0, plain=2.0)
+    gain = engine._draft_gain_at(2)
+    assert gain < 1.0
+    engine._relax_draft_gain(2)
+    assert gain < engine._draft_gain_at(2) == pytest.approx(gain + SpecEngine.DRAFT_GAIN_RELAX * (retry - gain))
+    drafted = {}
+    for paused in (False, True):
+        engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", high_accept=True)
+        _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)   # drafting always pays
+        engine.PROBE_EVERY = engine._probe_wait = 10 ** 9                      # no probes
+        if paused:
+            engine._draft_gain = {rows: (0.5, 1.0) for rows in range(1, engine.max_batch + 1)}
+        results, events = run_requests(engine, reqs, runner=runner)
+        for req, r in zip(reqs, results):
+            assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+        drafted[paused] = sum(e.drafted > 0 for ev in events.values() for e in ev)
+        if paused:
+            gains = [engine._draft_gain_at(r) for r in engine._draft_gain]
+            assert all(g < 1.0 for g in gains) and max(gains) > 0.5, gains     # relaxing, still paused
+    assert drafted[False] > 0 and drafted[True] == 0, drafted
 
 
 def test_draft_cost_of_an_unseen_load_is_the_nearest_seen_one():

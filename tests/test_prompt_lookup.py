@@ -176,6 +176,7 @@ def test_auto_draft_length_verifies_lookups_that_pay_and_stays_lossless(tiny_tar
     for ratio, expect_lookups in ((lambda k: 1.0 + 0.01 * (k - 1), True), (lambda k: float(k), False)):
         engine, runner, reqs, truths = _lookup_engine(path, "auto")
         cm = engine.cost
+        cm.online = False                  # these figures, not what the run measures, price every step
         for b in (1, 2, 4, 8):
             cm._ratios[b] = [ratio(k) for k in range(1, cm.max_k + 1)]
             cm.step_seconds[b] = 1e9 if expect_lookups else 1e-12   # drafting: free / far too dear
