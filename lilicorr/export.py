@@ -110,6 +110,9 @@ class DraftGraph(nn.Module):
         self.model = model
         self.taps = taps
         self.tree_nodes = tree_nodes if model.head is not None else 0
+        # the head's token term of every target id, folded once (a constant gather in the graph)
+        self.register_buffer("token_table", model.head.token_table() if model.head is not None else None,
+                             persistent=False)                                 # [V, W]
 
     def forward(self, anchor_ids, anchor_pos, ctx_lengths, ctx_kv, target_state=None):
         m = self.model
@@ -129,7 +132,7 @@ class DraftGraph(nn.Module):
             return out + (slot_hidden, slot_logits) if self.taps else out
         # top-K over the (draft) vocabulary, then a constant gather to target ids where there is a map
         cand_ids, cand_feats = top_k_candidates(slot_logits, m.cfg.head.top_k, id_map=id_map)
-        out_vec, in_vec, anchor_out = m.head(cand_ids, cand_feats, slot_hidden, target_state)
+        out_vec, in_vec, anchor_out = m.head(cand_ids, cand_feats, slot_hidden, target_state, self.token_table)
         anchor_scores, pair_scores = lattice.match_scores(anchor_out, out_vec, in_vec, m.cfg.head.sigma)
         idx = lattice.greedy_walk(anchor_scores, pair_scores)                  # [N, S]
         tokens = torch.gather(cand_ids, -1, idx[..., None]).squeeze(-1)        # [N, S]

@@ -140,16 +140,27 @@ class LiLiCorrHead(nn.Module):
         collapsed = torch.einsum("nlh,l->nh", captured, weights)               # [N, H]
         return self.target_proj(self.target_norm(collapsed))
 
+    @torch.no_grad()
+    def token_table(self) -> torch.Tensor:
+        """[V, W] the token term of every target id: token_proj(embed), both frozen at inference.
+        An exported graph gathers its candidates' rows instead of projecting their embeddings."""
+        dtype = self.token_proj.weight.dtype
+        return self.token_proj(self.embed.weight.to(dtype))
+
     def forward(self, cand_ids: torch.Tensor, cand_feats: torch.Tensor, slot_hidden: torch.Tensor,
-                target_captured: torch.Tensor):
+                target_captured: torch.Tensor, token_table: torch.Tensor | None = None):
         """cand_ids [N, S, K] long, cand_feats [N, S, K, 5], slot_hidden [N, S, H] (drafter final
-        hidden of slots 1..B-1), target_captured [N, n, H].
+        hidden of slots 1..B-1), target_captured [N, n, H]; token_table [V, W] (`token_table()`)
+        or None to project the candidates' embeddings.
         Returns out_vec [N, S, K, E], in_vec [N, S, K, E], anchor_out [N, E], all unit norm."""
         n, s, k = cand_ids.shape
         if s != self.num_slots or k != self.cfg.top_k:
             raise ValueError(f"lattice {s}x{k} does not match the head's {self.num_slots}x{self.cfg.top_k}")
         dtype = self.token_proj.weight.dtype
-        tok = self.token_proj(self.embed(cand_ids).to(dtype))                   # [N, S, K, W]
+        if token_table is None:
+            tok = self.token_proj(self.embed(cand_ids).to(dtype))               # [N, S, K, W]
+        else:
+            tok = token_table[cand_ids].to(dtype)                               # [N, S, K, W]
         hid = self.hidden_proj(slot_hidden.to(dtype))[:, :, None, :]            # [N, S, 1, W]
         conf = self.conf_mlp(cand_feats.to(dtype))                              # [N, S, K, W]
         pos = self.slot_table.weight[:, None, :] + self.rank_table.weight[None, :, :]  # [S, K, W]

@@ -56,6 +56,20 @@ def test_frozen_embedding_is_shared_not_a_parameter():
     assert head.slot_table.weight.shape == (S, 32) and head.rank_table.weight.shape == (K, 32)
 
 
+def test_folded_token_table_gives_the_same_vectors():
+    """token_table() (what an exported graph gathers from) is token_proj of every embedding row:
+    the head's outputs with it equal those that project the candidates' embeddings, and a
+    different table changes them (the table is really used)."""
+    head = make_head()
+    table = head.token_table()
+    assert table.shape == (V, 32)
+    args = inputs(3)
+    for got, want in zip(head(*args, token_table=table), head(*args)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    other = head(*args, token_table=torch.roll(table, 1, dims=0))
+    assert not torch.allclose(other[0], head(*args)[0], atol=1e-3)
+
+
 def test_rejects_a_lattice_of_the_wrong_size():
     head = make_head()
     cand_ids, feats, hidden, state = inputs(2)
