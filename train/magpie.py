@@ -50,7 +50,7 @@ def main(argv=None) -> int:
         return 0
     tok = Tokenizer.from_dir(args.target)
     engine = SpecEngine.from_paths(args.target, ckpt_dir=None, max_batch=args.batch_size, max_seq_len=512,
-                                   dtype=getattr(torch, args.dtype), batch_invariant=False)  # sampling only
+                                   dtype=getattr(torch, args.dtype))  # the serving kernels
     engine.keep_results = False
     t0 = time.perf_counter()
     with LineWriter(args.out) as writer, \
