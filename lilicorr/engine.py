@@ -428,6 +428,7 @@ class SpecEngine:
         One engine step over the running rows is one `block` for the stage timer (its stages add
         up to the block's wall time); prefill is not part of a block."""
         events: list[StepEvent] = []
+        self._pack_slots()
         fresh = [s for s in self._seqs.values() if not s.prefilled]
         # in slot order: rows on consecutive slots read their caches as views, not gathered copies
         running = sorted((s for s in self._seqs.values() if s.prefilled), key=lambda s: s.tslot)
@@ -455,6 +456,17 @@ class SpecEngine:
                 if self.keep_results or ev.rid in self._wanted:
                     self._finished[ev.rid] = s
         return events
+
+    def _pack_slots(self) -> None:
+        """Keep the N active rows on target-cache slots 0..N-1: a row above that range (a row
+        below it finished, and no new row filled its slot) moves down to the lowest free slot,
+        once, so that the rows stepped in slot order read their caches as views instead of a
+        gathered copy at every layer of every step."""
+        n = len(self._seqs)
+        for s in sorted(self._seqs.values(), key=lambda s: s.tslot, reverse=True):
+            if s.tslot < n:
+                break
+            s.tslot = self.cache.move(s.tslot)
 
     def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
         """Prefill new rows in groups of similar prompt length, so one long prompt does not pad

@@ -67,6 +67,22 @@ class KVCache:
         self.lengths[slot] = 0
         heapq.heappush(self._free, slot)
 
+    def move(self, src: int) -> int:
+        """Move slot `src`'s cached entries and length to the lowest free slot, free `src` and
+        return the new slot. Only worth it when the new slot is lower: a row that finished between
+        running rows leaves a gap, and the rows after it would be read as gathered copies at every
+        layer of every step until a new row fills it (`row_index`)."""
+        if not 0 <= src < self.num_slots or src in self._free:
+            raise ValueError(f"KVCache: slot {src} is not allocated")
+        dst = self.allocate()
+        n = int(self.lengths[src])
+        if n:
+            for buf in (self.k, self.v):                     # [L, slots, h, C, D]
+                buf[:, dst, :, :n] = buf[:, src, :, :n]
+        self.lengths[dst] = n
+        self.free(src)
+        return dst
+
     # ---------------------------------------------------------------- lengths
     def truncate(self, rows: torch.Tensor, new_lengths: torch.Tensor | int) -> None:
         """Roll rows back to `new_lengths` ([N] long or int); never grows a row."""

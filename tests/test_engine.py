@@ -18,6 +18,7 @@ import torch
 from lilicorr import profiling
 from lilicorr.draft_runner import TorchDraftRunner
 from lilicorr.engine import SpecEngine, length_groups
+from lilicorr.kv_cache import KVCache
 from lilicorr.model import untrained_model
 from lilicorr.profiling import BLOCK, STAGES, StageTimer, current_timer
 from lilicorr.target import load_target
@@ -366,6 +367,55 @@ def test_running_rows_are_stepped_in_slot_order(tiny_target_dir):
     assert len(full) > 5 and all(rows == [0, 1, 2, 3] for rows in full)     # joiners fill the holes
     assert all(rows == sorted(rows) for rows in steps)
     assert max(max(rows) for rows in seen) == 3          # never past the 4 slots a full batch needs
+
+
+def test_rows_after_a_finished_one_move_down_to_keep_slots_packed(tiny_target_dir):
+    """When a row finishes below other running rows and no new request takes its slot, the rows
+    above it move down (KVCache.move, once), so every later step reads slots 0..N-1 as views; the
+    moved rows' outputs stay the target's."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 4), max_batch=4)
+    seen = []
+    forward = target.forward
+
+    def recording(ids, pos, *args, rows=None, **kwargs):
+        if kwargs.get("valid") is None:                  # a step (prefill passes the prompt lengths)
+            seen.append(rows.tolist())
+        return forward(ids, pos, *args, rows=rows, **kwargs)
+
+    target.forward = recording
+    try:
+        prompts = random_prompts((5, 3, 8, 4), target.config.vocab_size, seed=4)
+        lengths = (2, 12, 5, 14)                        # slot 0 finishes first, then slot 2
+        rids = [engine.add_request(p, m, rule=r) for p, m, r in
+                zip(prompts, lengths, ("lilicorr", "argmax", "viterbi", "lilicorr"))]
+        while engine.num_active:
+            engine.step()
+    finally:
+        del target.forward
+    for rid, p, m in zip(rids, prompts, lengths):
+        assert engine.pop_result(rid).tokens == hf_greedy(path, p, m)
+    spec = [rows for rows in seen if len(rows) > 1]
+    assert len(spec) > 3 and all(rows == list(range(rows[0], rows[0] + len(rows))) for rows in spec), seen
+    assert seen[-1] == [0] and engine.cache.num_free == 4
+
+
+def test_cache_move_keeps_a_rows_entries():
+    cache = KVCache(2, 4, 1, 3, capacity=4)
+    a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+    kv = torch.arange(3 * 3, dtype=torch.float32).view(1, 3, 1, 3)           # [N=1, T=3, h, D]
+    for layer in range(2):
+        cache.write(layer, torch.tensor([c]), kv + layer, kv - layer, start=torch.tensor([0]))
+    cache.advance(torch.tensor([c]), 3)
+    cache.free(a)
+    assert cache.move(c) == a and c in cache._free and cache.lengths[a] == 3
+    for layer in range(2):
+        k, v = cache.read(layer, slice(a, a + 1), 3)
+        torch.testing.assert_close(k, (kv + layer).transpose(1, 2))
+        torch.testing.assert_close(v, (kv - layer).transpose(1, 2))
+    with pytest.raises(ValueError):
+        cache.move(c)                                   # no longer allocated
 
 
 # ---------------------------------------------------------------------------------- stop / EOS
