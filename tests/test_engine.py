@@ -8,6 +8,7 @@ which chooses the proposals so that acceptance paths with tau > 1 are exercised 
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import math
 import random
@@ -338,14 +339,9 @@ def test_full_engine_and_cancel(tiny_target_dir):
     assert engine.pop_result(c).tokens == hf_greedy(path, [10, 11, 12, 13], 6)
 
 
-def test_running_rows_are_stepped_in_slot_order(tiny_target_dir):
-    """Continuous batching at a steady load keeps the running rows on consecutive slots, stepped in
-    slot order, so the target reads its cache as views (no gathered copies): requests that join as
-    others finish take the lowest free slots."""
-    path = tiny_target_dir("llama")
-    target = target_of(path)
-    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 4), max_batch=4)
-    seen = []
+@contextlib.contextmanager
+def _step_rows_recorded(target, seen: list):
+    """Within: the target-cache rows of every step's target forward (not prefill) go to `seen`."""
     forward = target.forward
 
     def recording(ids, pos, *args, rows=None, **kwargs):
@@ -355,12 +351,24 @@ def test_running_rows_are_stepped_in_slot_order(tiny_target_dir):
 
     target.forward = recording
     try:
+        yield
+    finally:
+        del target.forward
+
+
+def test_running_rows_are_stepped_in_slot_order(tiny_target_dir):
+    """Continuous batching at a steady load keeps the running rows on consecutive slots, stepped in
+    slot order, so the target reads its cache as views (no gathered copies): requests that join as
+    others finish take the lowest free slots."""
+    path = tiny_target_dir("llama")
+    target = target_of(path)
+    engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 4), max_batch=4)
+    seen = []
+    with _step_rows_recorded(target, seen):
         prompts = random_prompts((5, 3, 8, 4, 6, 2, 7), target.config.vocab_size, seed=3)
         reqs = [dict(prompt=p, max_tokens=m, rule=r, key=i) for i, (p, m, r) in
                 enumerate(zip(prompts, (9, 3, 12, 5, 7, 4, 6), ("lilicorr", "argmax") * 4))]
         results = run_requests(engine, reqs)[0]
-    finally:
-        del target.forward
     assert [r.tokens for r in results] == [hf_greedy(path, q["prompt"], q["max_tokens"]) for q in reqs]
     steps = [rows for rows in seen if len(rows) > 1]
     full = [rows for rows in seen if len(rows) == 4]
@@ -377,23 +385,13 @@ def test_rows_after_a_finished_one_move_down_to_keep_slots_packed(tiny_target_di
     target = target_of(path)
     engine = SpecEngine(target, TorchDraftRunner(untrained_model(target, block_size=4), 4), max_batch=4)
     seen = []
-    forward = target.forward
-
-    def recording(ids, pos, *args, rows=None, **kwargs):
-        if kwargs.get("valid") is None:                  # a step (prefill passes the prompt lengths)
-            seen.append(rows.tolist())
-        return forward(ids, pos, *args, rows=rows, **kwargs)
-
-    target.forward = recording
-    try:
+    with _step_rows_recorded(target, seen):
         prompts = random_prompts((5, 3, 8, 4), target.config.vocab_size, seed=4)
         lengths = (2, 12, 5, 14)                        # slot 0 finishes first, then slot 2
         rids = [engine.add_request(p, m, rule=r) for p, m, r in
                 zip(prompts, lengths, ("lilicorr", "argmax", "viterbi", "lilicorr"))]
         while engine.num_active:
             engine.step()
-    finally:
-        del target.forward
     for rid, p, m in zip(rids, prompts, lengths):
         assert engine.pop_result(rid).tokens == hf_greedy(path, p, m)
     spec = [rows for rows in seen if len(rows) > 1]
