@@ -59,3 +59,29 @@ def parse_prompt_lookup(value) -> int:
     if isinstance(value, bool) or not MIN_NGRAM <= n <= 64:
         raise ValueError(f"prompt lookup n-gram {value!r} outside [{MIN_NGRAM}, 64] (0 or 'off' turns it off)")
     return n
+
+
+def replay_lookup(truth: list[int], prompt_len: int, max_ngram: int, slots: int, min_ngram: int = MIN_NGRAM,
+                  limit: int | None = None) -> tuple[int, int, int, int]:
+    """Greedy decoding with prompt lookup alone, replayed over a known continuation: `truth` is the
+    prompt (its first `prompt_len` tokens) followed by the target's greedy tokens. Each step verifies
+    the first `slots` tokens of the lookup draft (none where nothing matched) and commits the
+    accepted ones plus the bonus token; it stops after `limit` generated tokens (the prefill's token
+    counts as the first; default: the whole continuation). Returns (steps, committed tokens, steps
+    with a match, drafts accepted on those steps)."""
+    idx = NgramIndex(max_ngram, min_ngram)
+    idx.extend(truth[: prompt_len + 1])       # the prompt and the prefill's token (the first anchor)
+    end = len(truth) - 1 if limit is None else min(len(truth) - 1, prompt_len + limit - 1)
+    pos = prompt_len                          # the anchor's position
+    steps = tokens = matched = gained = 0
+    while pos < end:
+        draft = idx.propose(slots)
+        a = 0
+        while a < len(draft) and pos + 1 + a < len(truth) and draft[a] == truth[pos + 1 + a]:
+            a += 1
+        step = min(a + 1, len(truth) - 1 - pos)
+        steps, tokens = steps + 1, tokens + step
+        matched, gained = matched + bool(draft), gained + (a if draft else 0)
+        idx.extend(truth[pos + 1: pos + 1 + step])
+        pos += step
+    return steps, tokens, matched, gained

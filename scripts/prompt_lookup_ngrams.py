@@ -21,28 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lilicorr.ngram import NgramIndex  # noqa: E402
+from lilicorr.ngram import replay_lookup  # noqa: E402
 from lilicorr.results_io import write_report  # noqa: E402
-
-
-def replay(prompt: list[int], completion: list[int], max_n: int, min_n: int, slots: int) -> tuple[int, int, int, int]:
-    """(steps, committed tokens, steps with a match, drafts accepted on those steps)."""
-    truth = prompt + completion
-    idx = NgramIndex(max_n, min_n)
-    idx.extend(truth[: len(prompt) + 1])        # the prompt and the first token (prefill's)
-    pos = len(prompt)                            # the anchor's position
-    steps = tokens = matched = gained = 0
-    while pos < len(truth) - 1:
-        draft = idx.propose(slots)
-        a = 0
-        while a < len(draft) and pos + 1 + a < len(truth) and draft[a] == truth[pos + 1 + a]:
-            a += 1
-        step = min(a + 1, len(truth) - 1 - pos)
-        steps, tokens = steps + 1, tokens + step
-        matched, gained = matched + bool(draft), gained + (a if draft else 0)
-        idx.extend(truth[pos + 1: pos + 1 + step])
-        pos += step
-    return steps, tokens, matched, gained
 
 
 def main(argv=None) -> int:
@@ -61,7 +41,8 @@ def main(argv=None) -> int:
             sums = [0, 0, 0, 0]
             for r in rows:
                 if suite in ("all", r["suite"]):
-                    sums = [a + b for a, b in zip(sums, replay(r["prompt"], r["completion"], max_n, min_n, args.slots))]
+                    got = replay_lookup(r["prompt"] + r["completion"], len(r["prompt"]), max_n, args.slots, min_n)
+                    sums = [a + b for a, b in zip(sums, got)]
             steps, tokens, matched, gained = sums
             rec = {"max_ngram": max_n, "min_ngram": min_n, "suite": suite, "steps": steps, "tau": tokens / steps,
                    "match_share": matched / steps, "accepted_per_match": gained / max(matched, 1)}

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lilicorr.engine import SpecEngine
-from lilicorr.ngram import MIN_NGRAM, NgramIndex, parse_prompt_lookup
+from lilicorr.ngram import MIN_NGRAM, NgramIndex, parse_prompt_lookup, replay_lookup
 
 from spec_helpers import ScriptedRunner, hf_greedy, run_requests, small_model, target_of
 
@@ -112,24 +112,6 @@ def _lookup_engine(path, draft_length, prompt_lookup=3, block_size=5, max_tokens
     return engine, runner, reqs, truths
 
 
-def _replay(truth: list[int], prompt_len: int, max_tokens: int, max_n: int, verify: int) -> tuple[int, int, int]:
-    """(steps, accepted tokens, lookup steps) of greedy decoding where a step verifies the first
-    `verify` tokens of the lookup copy when there is one and otherwise accepts no draft."""
-    idx = NgramIndex(max_n)
-    idx.extend(truth[: prompt_len + 1])           # the prompt and the prefill's token (the first anchor)
-    have, steps, accepted, lookups = 1, 0, 0, 0
-    while have < max_tokens:
-        pos = prompt_len + have - 1                # the anchor's position
-        draft = idx.propose(verify)
-        a = 0
-        while a < len(draft) and draft[a] == truth[pos + 1 + a]:
-            a += 1
-        steps, accepted, lookups = steps + 1, accepted + a + 1, lookups + bool(draft)
-        idx.extend(truth[pos + 1: pos + 2 + a])
-        have += a + 1
-    return steps, accepted, lookups
-
-
 @pytest.mark.parametrize("draft_length", [None, 2])
 def test_lookup_steps_are_exact_lossless_and_skip_the_drafter(tiny_target_dir, draft_length):
     """Greedy output equals the target's for every spec rule; each row's steps, accepted tokens and
@@ -155,7 +137,7 @@ def test_lookup_steps_are_exact_lossless_and_skip_the_drafter(tiny_target_dir, d
         p = len(req["prompt"])
         assert r.tokens == truth[p:p + req["max_tokens"]], req["rule"]
         assert r.drafted_tokens == sum(e.drafted for e in events[i])
-        steps, accepted, looked = _replay(truth, p, req["max_tokens"], 3, verify)
+        steps, accepted, looked, _ = replay_lookup(truth, p, 3, verify, limit=req["max_tokens"])
         assert (r.num_steps, r.accepted_tokens, r.lookup_steps) == (steps, accepted, looked), req
         lookups += looked
     for key, pos in drafted_rows:               # the drafter ran only where the row had no match
