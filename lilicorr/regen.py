@@ -213,7 +213,7 @@ def regenerate(target_dir: str | os.PathLike | None, out: str | os.PathLike, *,
         engine = SpecEngine.from_paths(target_dir, ckpt_dir=None, max_batch=batch_size,
                                        max_seq_len=max_seq_len, device=device,
                                        dtype=dtype if dtype is not None else torch.float32,
-                                       # the serving kernels: 2.2x faster in bf16 on AMX (results/regen_throughput_amx.md)
+                                       # the serving kernels: 2.2x faster in bf16 on AMX (results/regen_throughput_amx)
                                        batch_invariant=None)
     stop_ids = sorted({int(t) for t in (tokenizer.eos_ids or [])})
     if hasattr(engine, "keep_results"):
