@@ -36,8 +36,8 @@ def _run(target: str, prompts: list[dict], batch: int, invariant: bool, max_new:
         out = Path(tmp) / "regen.jsonl"
         stats = regenerate(target, out, prompts=prompts, max_new_tokens=max_new, batch_size=batch,
                            engine=engine, progress=False, dtype=torch.bfloat16)
-        answers = {json.loads(line)["id"]: json.loads(line)["completion_ids"]
-                   for line in out.read_text().splitlines()}
+        records = [json.loads(line) for line in out.read_text().splitlines()]
+        answers = {r["id"]: r["completion_ids"] for r in records}
     return {"tokens": stats["new_tokens"], "seconds": stats["seconds"],
             "tokens_per_s": stats["new_tokens"] / stats["seconds"], "answers": answers}
 
