@@ -463,10 +463,9 @@ class SpecEngine:
         once, so that the rows stepped in slot order read their caches as views instead of a
         gathered copy at every layer of every step."""
         n = len(self._seqs)
-        for s in sorted(self._seqs.values(), key=lambda s: s.tslot, reverse=True):
-            if s.tslot < n:
-                break
-            s.tslot = self.cache.move(s.tslot)
+        for s in self._seqs.values():      # as many rows at or above n as free slots below it
+            if s.tslot >= n:
+                s.tslot = self.cache.move(s.tslot)
 
     def _prefill(self, seqs: list[_Seq]) -> list[StepEvent]:
         """Prefill new rows in groups of similar prompt length, so one long prompt does not pad

@@ -4,16 +4,10 @@
 # stage profile) once per setting and suite, one fresh server each, on the engine that
 # scripts/demo.sh builds. Humaneval at concurrency 1 and 4 (the main job), general chat at 1.
 #   ENGINE (default engines/smollm2-lilicorr-onnxruntime), OUT (default results/prompt_lookup_cpu)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-. .venv/bin/activate
-export PYTHONUNBUFFERED=1
-engine=${ENGINE:-engines/smollm2-lilicorr-onnxruntime}
 out=${OUT:-results/prompt_lookup_cpu}
-mkdir -p "$out"
+. "$(dirname "$0")/triton_bench_common.sh"
 run() {  # name, suite, concurrency, prompt lookup
-  python deploy/bench.py --engine "$engine" --prompts "$2" --limit 8 --concurrency "$3" --rules ar,argmax,lilicorr \
-    --max-tokens 64 --repeats 2 --profile --prompt-lookup "$4" --json "$out/$1.json" > "$out/$1.log" 2>&1
+  bench "$1" "$2" --concurrency "$3" --rules ar,argmax,lilicorr --prompt-lookup "$4"
 }
 run humaneval-lookup humaneval 1,4 3
 run humaneval-no-lookup humaneval 1,4 off

@@ -50,6 +50,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", required=True, help="path prefix of the .md and .json written")
+    ap.add_argument("--note", default="", help="free text written under the table (e.g. the machine, what was paused)")
     args = ap.parse_args(argv)
 
     import torch
@@ -71,7 +72,7 @@ def main(argv=None) -> int:
               + f"; same answers {same}/{len(prompts)}", flush=True)
     doc = {"command": "python scripts/regen_throughput.py " + " ".join(argv if argv is not None else sys.argv[1:]),
            "torch": torch.__version__, "machine": platform.machine(), "threads": args.threads,
-           "max_new_tokens": args.max_new_tokens, "rows": rows}
+           "max_new_tokens": args.max_new_tokens, "note": args.note, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     for r in rows:
         s, p = r["serving kernels"]["tokens_per_s"], r["plain kernels"]["tokens_per_s"]
         lines.append(f"| {r['batch']} | {s:.1f} | {p:.1f} | {s / p:.2f}x | {r['same_answers']}/{r['prompts']} |")
+    if args.note:
+        lines += ["", args.note]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     return 0
 

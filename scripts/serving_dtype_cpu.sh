@@ -8,17 +8,10 @@
 #   ENGINE (default engines/smollm2-lilicorr-onnxruntime), OUT (default results/serving_dtype_cpu),
 #   RULES (default ar,lilicorr), CONCURRENCY (default 1,2,4,8), DTYPES (default "bfloat16 fp16-weights":
 #   DTYPES=bfloat16 runs the serving default on an AMX CPU alone)
-set -euo pipefail
-cd "$(dirname "$0")/.."
-. .venv/bin/activate
-export PYTHONUNBUFFERED=1
-engine=${ENGINE:-engines/smollm2-lilicorr-onnxruntime}
 out=${OUT:-results/serving_dtype_cpu}
-mkdir -p "$out"
+. "$(dirname "$0")/triton_bench_common.sh"
 run() {  # name, suite, dtype
-  python deploy/bench.py --engine "$engine" --prompts "$2" --limit 8 --concurrency "${CONCURRENCY:-1,2,4,8}" \
-    --rules "${RULES:-ar,lilicorr}" --max-tokens 64 --repeats 2 --profile --dtype "$3" \
-    --json "$out/$1.json" > "$out/$1.log" 2>&1
+  bench "$1" "$2" --concurrency "${CONCURRENCY:-1,2,4,8}" --rules "${RULES:-ar,lilicorr}" --dtype "$3"
 }
 chat=lilicorr/data/chat_first_turn.jsonl
 dtypes=(${DTYPES:-bfloat16 fp16-weights})

@@ -465,6 +465,17 @@ def test_serve_cli_engine_errors_are_one_line(tiny_engine_dir, tmp_path):
         assert len(lines) == 1 and lines[0].startswith("serve: error:") and want in lines[0], proc.stderr
 
 
+def test_serve_cli_checks_prompt_lookup_when_parsing(capsys):
+    """--prompt-lookup is checked as it is parsed (a usage error naming the range); the text is
+    kept as given, "" meaning the manifest's choice."""
+    from lilicorr.serving.serve import build_parser
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--target", "x", "--prompt-lookup", "1"])
+    assert exc.value.code == 2 and "outside [2, 64]" in capsys.readouterr().err
+    assert [build_parser().parse_args(["--target", "x", *extra]).prompt_lookup
+            for extra in ((), ("--prompt-lookup", "off"), ("--prompt-lookup", "4"))] == ["", "off", "4"]
+
+
 def test_generate_repository(tmp_path):
     spec = EngineSpec(target_dir=tmp_path / "t", engine_dir=tmp_path / "e", draft_backend="onnxruntime")
     repo = generate_repository(spec, tmp_path / "repo", ServeOptions(max_batch=7, max_seq_len=300))

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="target precision (default: the engine manifest's serving choice, else auto)")
     eng.add_argument("--draft-length", default="",
                      help="drafted tokens verified per step: N or auto (default: the manifest's, else the whole block)")
-    eng.add_argument("--prompt-lookup", default="", metavar="N",
+    eng.add_argument("--prompt-lookup", default="", metavar="N", type=_prompt_lookup_arg,
                      help="prompt lookup: verify what followed the latest earlier occurrence of a row's last n "
                           "tokens (N >= n >= 2) instead of drafting; off or 0 turns it off (default: the manifest's, "
                           "else off)")
@@ -99,6 +99,16 @@ def spec_from_args(args: argparse.Namespace) -> EngineSpec:
                       draft_backend=args.draft_backend or "torch")
 
 
+def _prompt_lookup_arg(value: str) -> str:
+    """Check --prompt-lookup when it is parsed (a one-line usage error); keep the text, since ""
+    means the manifest's choice."""
+    try:
+        parse_prompt_lookup(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     extra = {}
     if args.untrained_seed is not None and not args.engine and not args.ckpt:
@@ -120,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spec = spec_from_args(args)
         opts = options_from_args(args)
-        parse_prompt_lookup(opts.prompt_lookup)
     except (EngineDirError, FileNotFoundError, ValueError) as e:   # one line, no traceback
         print(f"serve: error: {e}", file=sys.stderr, flush=True)
         return 2
