@@ -30,22 +30,25 @@ def _fill_shards(target, sequences, capture, tmp: Path, shard_ids, batch_size: i
     """Write shard-<k>.safetensors for every k in shard_ids; done(n) after each batch of n sequences."""
     for k in shard_ids:
         shard: dict[str, torch.Tensor] = {}
-        end = min((k + 1) * SHARD, len(sequences))
-        for lo in range(k * SHARD, end, batch_size):
-            chunk = sequences[lo:min(lo + batch_size, end)]
-            t = max(len(s.ids) for s in chunk)
+        # batches of similar lengths: in the data's order, padding to each batch's longest
+        # sequence ran about 30% more tokens through the target than the sequences hold
+        order = sorted(range(k * SHARD, min((k + 1) * SHARD, len(sequences))), key=lambda j: len(sequences[j].ids))
+        for lo in range(0, len(order), batch_size):
+            chunk = order[lo:lo + batch_size]                                  # sequence indices
+            t = max(len(sequences[j].ids) for j in chunk)
             ids = torch.zeros(len(chunk), t, dtype=torch.long)                # [n, T] right-padded
-            for i, s in enumerate(chunk):
-                ids[i, : len(s.ids)] = torch.tensor(s.ids)
+            for i, j in enumerate(chunk):
+                ids[i, : len(sequences[j].ids)] = torch.tensor(sequences[j].ids)
             with torch.no_grad():
                 out = target(ids, torch.arange(t).expand(len(chunk), t), capture=capture, logits=False)
-            for i, s in enumerate(chunk):
-                last = out.last_hidden[i, : len(s.ids)].to(dtype).contiguous()   # [T_i, H]
-                shard[f"captured_{lo + i}"] = out.captured[i, : len(s.ids)].to(dtype).contiguous()
-                shard[f"last_hidden_{lo + i}"] = last
+            for i, j in enumerate(chunk):
+                n = len(sequences[j].ids)
+                last = out.last_hidden[i, :n].to(dtype).contiguous()              # [T_i, H]
+                shard[f"captured_{j}"] = out.captured[i, :n].to(dtype).contiguous()
+                shard[f"last_hidden_{j}"] = last
                 with torch.no_grad():   # log-normaliser of the target's logits (from the stored states)
                     lse = torch.logsumexp(target.lm_head(last.to(target.lm_head.weight.dtype)).float(), -1)
-                shard[f"target_lse_{lo + i}"] = lse.contiguous()                  # [T_i] float32
+                shard[f"target_lse_{j}"] = lse.contiguous()                       # [T_i] float32
             done(len(chunk))
         path = tmp / _shard_name(k)
         save_file(shard, str(path.with_suffix(".partial")))

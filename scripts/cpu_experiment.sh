@@ -14,7 +14,8 @@
 #             anchors per sequence, a DRAFT_VOCAB draft vocabulary, a checkpoint every SAVE_EVERY, and a
 #             weights-only snapshot every SNAPSHOT_EVERY (ckpt-<arm>.snapshots/, for tau vs steps).
 #             INIT=DIR starts every arm from DIR/smollm2-<arm> (e.g. INIT=checkpoints: the committed
-#             drafters trained on with a fresh schedule, `train.py --init`).
+#             drafters trained on with a fresh schedule, `train.py --init`); LR_DRAFTER / LR_HEAD set
+#             the peak learning rates (default: the preset's).
 #   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows;
 #             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
 #   eval-chat greedy on the general-chat suite (prompts in no training file).
@@ -117,12 +118,14 @@ PY
 train() {
   declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin
                     [distill]="--self-distill ${DISTILL:-0.5}")
-  local pids=() init=()
+  local pids=() init=() lr=()
+  [[ -n ${LR_DRAFTER:-} ]] && lr+=(--lr-drafter "$LR_DRAFTER")
+  [[ -n ${LR_HEAD:-} ]] && lr+=(--lr-head "$LR_HEAD")
   for arm in $ARMS; do
     [[ -n ${INIT:-} ]] && init=(--init "$INIT/smollm2-$arm")
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
       --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --draft-vocab "$DRAFT_VOCAB" \
-      --save-every "$SAVE_EVERY" --snapshot-every "$SNAPSHOT_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} "${init[@]}" \
+      --save-every "$SAVE_EVERY" --snapshot-every "$SNAPSHOT_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} "${init[@]}" "${lr[@]}" \
       >> "$W/train-$arm.log" 2>&1 &
     pids+=($!)
   done

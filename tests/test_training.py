@@ -486,6 +486,27 @@ def test_feature_store_parallel_build_equals_serial(target_dir, data_file, tmp_p
         features.build_feature_store(target, seqs, capture, tmp_path / "bad", workers=0)
 
 
+def test_feature_store_holds_each_sequences_own_features(target, seq_ids, tmp_path):
+    """Sequences of different lengths are batched by length inside a shard; each stored entry is
+    still that sequence's own target pass, run alone."""
+    from lilicorr import features
+
+    seqs = [Sequence(ids[:n], [0] * PROMPT + [1] * (n - PROMPT))
+            for ids, n in zip(seq_ids, (40, 9, 31, 17, 40, 12, 25, 6, 33))]
+    capture = [0, 1]
+    store = features.FeatureStore(features.build_feature_store(target, seqs, capture, tmp_path / "f",
+                                                               dtype=torch.float32), target.config, capture, seqs)
+    for j, s in enumerate(seqs):
+        captured, last, lse = store.batch([j], 40)                       # [1, 40, 2, H], [1, 40, H], [1, 40]
+        n = len(s.ids)
+        with torch.no_grad():
+            out = target(torch.tensor([s.ids]), torch.arange(n)[None], capture=capture, logits=True)
+        torch.testing.assert_close(captured[0, :n], out.captured[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(last[0, :n], out.last_hidden[0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse[0, :n], torch.logsumexp(out.logits[0].float(), -1), atol=1e-4, rtol=1e-4)
+        assert not captured[0, n:].any() and not lse[0, n:].any()        # zero right padding
+
+
 def test_interrupted_feature_build_resumes_from_its_finished_shards(target_dir, data_file, tmp_path, monkeypatch):
     from lilicorr import features
 
