@@ -10,11 +10,12 @@
 #   features  the target's features (5 captured layers) over all regen-*.jsonl, SHARDS workers;
 #             rebuilt when the data changed.
 #   train     ARMS (of vanilla, lilicorr, nodist, margin, distill: self-logit distillation with
-#             share DISTILL) side by side at the same budget: STEPS steps of BATCH sequences, ANCHORS
+#             share DISTILL, wd: drafter weight decay WD) side by side at the same budget: STEPS steps of BATCH sequences, ANCHORS
 #             anchors per sequence, a DRAFT_VOCAB draft vocabulary, a checkpoint every SAVE_EVERY, and a
 #             weights-only snapshot every SNAPSHOT_EVERY (ckpt-<arm>.snapshots/, for tau vs steps).
 #             INIT=DIR starts every arm from DIR/smollm2-<arm> (e.g. INIT=checkpoints: the committed
-#             drafters trained on with a fresh schedule, `train.py --init`); LR_DRAFTER / LR_HEAD set
+#             drafters trained on with a fresh schedule, `train.py --init`), a joint arm with no
+#             checkpoint of its own (distill, wd, ...) from DIR/smollm2-lilicorr; LR_DRAFTER / LR_HEAD set
 #             the peak learning rates (default: the preset's).
 #   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows;
 #             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
@@ -117,12 +118,15 @@ PY
 
 train() {
   declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin
-                    [distill]="--self-distill ${DISTILL:-0.5}")
+                    [distill]="--self-distill ${DISTILL:-0.5}" [wd]="--weight-decay-drafter ${WD:-0.1}")
   local pids=() init=() lr=()
   [[ -n ${LR_DRAFTER:-} ]] && lr+=(--lr-drafter "$LR_DRAFTER")
   [[ -n ${LR_HEAD:-} ]] && lr+=(--lr-head "$LR_HEAD")
   for arm in $ARMS; do
-    [[ -n ${INIT:-} ]] && init=(--init "$INIT/smollm2-$arm")
+    if [[ -n ${INIT:-} ]]; then   # an arm with no checkpoint of its own starts from the joint one
+      init=(--init "$INIT/smollm2-$arm")
+      [[ $arm != vanilla && ! -d $INIT/smollm2-$arm ]] && init=(--init "$INIT/smollm2-lilicorr")
+    fi
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
       --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --draft-vocab "$DRAFT_VOCAB" \
       --save-every "$SAVE_EVERY" --snapshot-every "$SNAPSHOT_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} "${init[@]}" "${lr[@]}" \

@@ -49,7 +49,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, type=Path, help="writes OUT.md, OUT.json, OUT.png")
     ap.add_argument("--heldout", type=Path, default=None,
                     help="cache of the held-out greedy text (default OUT.heldout.jsonl; made when absent or stale)")
+    ap.add_argument("--data-suite", action="append", default=[], metavar="NAME=FILE:START:STOP",
+                    help="also a suite NAME of regenerated training records (train/regen.py JSONL), lines "
+                         "START..STOP (1-based, inclusive), each completion cut to --max-tokens: e.g. lines a "
+                         "snapshot trained on against lines it never saw; repeatable")
     args = ap.parse_args(argv)
+    args.data_suites = [_data_suite(ap, spec) for spec in args.data_suite]
     arms = {}
     for spec in args.arm:
         name, sep, folder = spec.partition("=")
@@ -58,6 +63,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         arms[name] = Path(folder)
     args.arms = arms
     return args
+
+
+def _data_suite(ap, spec: str) -> tuple[str, Path, int, int]:
+    name, sep, rest = spec.partition("=")
+    path, _, span = rest.partition(":")
+    start, _, stop = span.partition(":")
+    try:
+        first, last = int(start), int(stop)
+    except ValueError:
+        first = last = 0
+    if not sep or not name or not Path(path).is_file() or not 1 <= first <= last:
+        ap.error(f"--data-suite {spec!r}: want NAME=FILE:START:STOP with an existing file and 1 <= START <= STOP")
+    return name, Path(path), first, last
+
+
+def data_rows(suites, max_tokens: int) -> list[dict]:
+    """[{suite, id, prompt, completion}] from regenerated records: (name, file, first, last) each."""
+    rows = []
+    for name, path, first, last in suites:
+        with path.open() as f:
+            for lineno, line in enumerate(f, 1):
+                if first <= lineno <= last and line.strip():
+                    rec = json.loads(line)
+                    rows.append({"suite": name, "id": f"{path.name}:{lineno}", "prompt": list(rec["prompt_ids"]),
+                                 "completion": list(rec["completion_ids"])[:max_tokens]})
+        if not any(r["suite"] == name for r in rows):
+            raise SystemExit(f"--data-suite {name}: {path} has no record in lines {first}..{last}")
+    return rows
 
 
 def snapshots(folder: Path) -> list[tuple[int, Path]]:
@@ -127,12 +160,17 @@ def previous_points(args) -> dict[tuple, list[dict]]:
         doc = json.loads(args.out.with_suffix(".json").read_text())
     except (OSError, ValueError):
         return {}
-    if [doc.get(k) for k in ("prompts", "limit", "max_tokens")] != [args.prompts, args.limit, args.max_tokens]:
+    if [doc.get(k) for k in ("prompts", "limit", "max_tokens", "data_suites")] != [
+            args.prompts, args.limit, args.max_tokens, _suite_specs(args) or None]:
         return {}
     out: dict[tuple, list[dict]] = {}
     for p in doc.get("points", []):
         out.setdefault((p["arm"], p["step"]), []).append(p)
     return out
+
+
+def _suite_specs(args) -> list[str]:
+    return [f"{name}={path}:{first}:{last}" for name, path, first, last in args.data_suites]
 
 
 def taus(sums: dict[str, float], has_head: bool) -> dict:
@@ -151,7 +189,7 @@ def main(argv=None) -> int:
     from lilicorr.target import load_target
 
     target = load_target(args.target, dtype=torch.float32)
-    rows = heldout(args, target)
+    rows = heldout(args, target) + data_rows(args.data_suites, args.max_tokens)
     layer_sets: dict[tuple, list] = {}
     points = []                            # {arm, step, suite, argmax, lilicorr?, oracle}
     done = previous_points(args)
@@ -173,15 +211,20 @@ def main(argv=None) -> int:
                                torch.arange(len(r["prompt"]) + len(r["completion"]))[None],
                                capture=list(layers), logits=False) for r in rows)]
         sums = teacher_forced(model, target, rows, layer_sets[layers])
-        pooled = {k: sum(s[k] for s in sums.values()) for k in ("blocks", "argmax", "lilicorr", "oracle")}
+        extra = {d[0] for d in args.data_suites}             # `all` pools the evaluation suites only
+        pooled = {k: sum(s[k] for name, s in sums.items() if name not in extra)
+                  for k in ("blocks", "argmax", "lilicorr", "oracle")}
         for suite, s in [*sums.items(), ("all", pooled)]:
             points.append({"arm": arm, "step": step, "suite": suite, "blocks": s["blocks"],
                            **taus(s, model.head is not None)})
     points.sort(key=lambda p: (list(args.arms).index(p["arm"]), p["step"]))
     suites = list(dict.fromkeys(p["suite"] for p in points))
+    held = [s for s in suites if s != "all" and s not in {d[0] for d in args.data_suites}]
     md = [f"Held-out text: the target's greedy continuations ({args.max_tokens} tokens) of {args.limit} prompts "
-          f"per suite ({', '.join(s for s in suites if s != 'all')}); every completion position is an anchor "
-          "(teacher-forced, see the script's docstring).", "",
+          f"per suite ({', '.join(held)}); every completion position is an anchor "
+          "(teacher-forced, see the script's docstring)."
+          + "".join(f" Suite {name}: lines {first}-{last} of the training records {path} (completions cut to "
+                    f"{args.max_tokens} tokens)." for name, path, first, last in args.data_suites), "",
           "| arm | step | suite | blocks | tau argmax | tau lilicorr | oracle tau |", "|---|---:|---|---:|---:|---:|---:|"]
     for p in points:
         lili = f"{p['lilicorr']:.3f}" if "lilicorr" in p else "—"
@@ -211,7 +254,7 @@ def main(argv=None) -> int:
 
     write_report(args.out, "scripts/tau_vs_steps.py", argv, "Held-out tau against training steps",
                  "\n".join(md), {"points": points, "prompts": args.prompts, "limit": args.limit,
-                                 "max_tokens": args.max_tokens}, plot)
+                                 "max_tokens": args.max_tokens, "data_suites": _suite_specs(args) or None}, plot)
     print("\n".join(md[2:-3]))
     return 0
 

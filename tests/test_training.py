@@ -410,6 +410,23 @@ def test_cli_self_distillation_and_snapshots(target_dir, data_file, tmp_path):
                      "--self-distill", "2", *CLI_SMALL]) == 2
 
 
+def test_cli_weight_decay_drafter(target_dir, data_file, tmp_path):
+    cli = train_cli()
+    base = ["--target", str(target_dir), "--data", str(data_file), "--steps", "1", *CLI_SMALL]
+    out = tmp_path / "wd"
+    assert cli.main([*base, "--out", str(out), "--weight-decay-drafter", "0.1"]) == 0
+    assert json.loads((out / ckpt_io.CONFIG).read_text())["lilicorr"]["train"]["weight_decay_drafter"] == 0.1
+    opt = torch.load(out / ckpt_io.OPTIMIZER, weights_only=False)["optimizer"]
+    groups = {g["name"]: g for g in opt["param_groups"]}
+    assert groups["drafter"]["weight_decay"] == 0.1 and groups["head"]["weight_decay"] == 0.01
+    # the same data and seed without decay: the drafter's weights end elsewhere
+    plain = tmp_path / "plain"
+    assert cli.main([*base, "--out", str(plain)]) == 0
+    w = "drafter.fc.weight"
+    assert not torch.equal(ckpt_io.load_checkpoint(out).state[w], ckpt_io.load_checkpoint(plain).state[w])
+    assert cli.main([*base, "--out", str(tmp_path / "bad"), "--weight-decay-drafter", "-1"]) == 2
+
+
 def test_cli_init_starts_from_another_checkpoints_weights(target_dir, data_file, tmp_path, capsys):
     cli = train_cli()
     base = ["--target", str(target_dir), "--data", str(data_file), *CLI_SMALL]

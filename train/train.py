@@ -58,6 +58,8 @@ def parse_args(argv=None):
                         "on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16/AMX), fp32 elsewhere")
     p.add_argument("--lr-drafter", type=float, default=0.0)
     p.add_argument("--lr-head", type=float, default=0.0)
+    p.add_argument("--weight-decay-drafter", type=float, default=None, metavar="WD",
+                   help="AdamW weight decay of the drafter's parameters (preset: Table 4's 0)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps (0: at the end)")
     p.add_argument("--snapshot-every", type=int, default=0,
@@ -91,6 +93,10 @@ def build_config(args, target_cfg):
             setattr(section, name, value)
     if not 0.0 <= args.self_distill <= 1.0:
         raise ValueError(f"--self-distill {args.self_distill}: the soft labels' share must be in [0, 1]")
+    if args.weight_decay_drafter is not None:      # 0 is a real choice here, so None means unset
+        if args.weight_decay_drafter < 0:
+            raise ValueError(f"--weight-decay-drafter {args.weight_decay_drafter}: must be >= 0")
+        tc.weight_decay_drafter = args.weight_decay_drafter
     if args.seed is not None:
         tc.seed = args.seed
     cfg.vanilla = args.vanilla
