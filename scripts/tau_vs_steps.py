@@ -237,6 +237,23 @@ def main(argv=None) -> int:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        if len({p["step"] for p in points}) == 1:          # one step: bars per suite, not lines
+            fig, ax = plt.subplots(figsize=(1.2 * len(suites) + 2, 3.6))
+            bars = [(arm, rule) for arm in args.arms for rule in ("argmax", "lilicorr", "oracle")
+                    if any(p["arm"] == arm and rule in p for p in points)]
+            width = 0.8 / len(bars)
+            for j, (arm, rule) in enumerate(bars):
+                by_suite = {p["suite"]: p.get(rule) for p in points if p["arm"] == arm}
+                ax.bar([i + j * width for i in range(len(suites))], [by_suite.get(s) or 0 for s in suites],
+                       width, label=f"{arm} {rule}")
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(suites))], suites, rotation=30, ha="right")
+            ax.set_ylabel(f"teacher-forced tau, step {points[0]['step']}")
+            ax.set_ylim(1, None)
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=7)
+            fig.tight_layout()
+            save_figure(fig, path)
+            return
         fig, axes = plt.subplots(1, len(suites), figsize=(4 * len(suites), 3.4), sharey=True, squeeze=False)
         for ax, suite in zip(axes[0], suites):
             for arm in args.arms:
