@@ -167,6 +167,38 @@ def test_training_prompts_mix_and_determinism(train_prompts):
         iter_training_prompts(5, mix={"code": 0})
 
 
+def test_training_prompts_in_user_forms(train_prompts):
+    """code_complete / math_reason: the suites' instruction formats over disjoint content."""
+    import ast
+
+    from lilicorr.data.prompt_sources import (MATH_FAMILIES, REASON_SEED_BASE, TRAIN_SEED_BASE,
+                                              iter_training_prompts, math_family_seed)
+    ps = iter_training_prompts(60, seed=0, mix={"code_complete": 1, "math_reason": 2})
+    kinds = [p["kind"] for p in ps]
+    assert kinds.count("code_complete") == 20 and kinds.count("math_reason") == 40
+    ev = {_norm(x) for x in eval_prompt_texts()}
+    assert not {_norm(p["prompt"]) for p in ps} & ev
+    he_head = load_prompts("humaneval", limit=1)[0]["prompt"].split("\n\n")[0]
+    names = {it["entry_point"] for it in load_prompts("humaneval")}
+    for p in ps:
+        if p["kind"] == "code_complete":
+            head, _, code = p["prompt"].partition("\n\n```python\n")
+            assert head == he_head                       # the same instruction as the humaneval suite
+            fn = ast.parse(code.removesuffix("```")).body[0]
+            assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.name not in names
+            assert len(fn.body) == 1 and ast.get_docstring(fn)   # signature and docstring, no body
+        else:
+            assert "gsm_symbolic" not in p["source"]
+            assert p["prompt"].endswith(("\\boxed{}.", "Do not include units."))
+    # own seeds: no question repeats a math prompt, and none is the evaluation seed
+    reason_seeds = {math_family_seed(s, f, REASON_SEED_BASE) for s in range(100) for f in MATH_FAMILIES}
+    assert not reason_seeds & {math_family_seed(s, f, TRAIN_SEED_BASE) for s in range(100) for f in MATH_FAMILIES}
+    maths = {_norm(p["prompt"]) for p in train_prompts if p["kind"] == "math"}
+    assert not any(_norm(p["prompt"].rsplit("\n", 1)[0]) in maths for p in ps if p["kind"] == "math_reason")
+    # off by default: the default list has neither kind
+    assert not {p["kind"] for p in train_prompts} & {"code_complete", "math_reason"}
+
+
 def test_training_prompts_independent_of_hash_seed():
     """Same list in processes with different PYTHONHASHSEED (some reasoning-gym families are not)."""
     code = ("import hashlib, json; from lilicorr.data.prompt_sources import iter_training_prompts; "
@@ -188,6 +220,8 @@ def test_training_math_seeds_disjoint_from_eval():
     spec.loader.exec_module(ms)
     seeds = {math_family_seed(s, f) for s in range(100) for f in MATH_FAMILIES}
     assert ms.GSM_SEED not in seeds
+    from lilicorr.data.prompt_sources import REASON_SEED_BASE
+    assert ms.GSM_SEED not in {math_family_seed(s, f, REASON_SEED_BASE) for s in range(100) for f in MATH_FAMILIES}
 
 
 # ----------------------------------------------------------------------------- regen (tiny target)

@@ -11,6 +11,15 @@ Three kinds, all offline and deterministic:
 * ``chat`` - chat-style prompts over documentation text: stdlib module / class / function
   docstrings ("Summarize what the module X does", "How do I use X.f ...?").
 
+Two more kinds put the same sources in the forms users send (the instruction formats of the
+evaluation suites, never their content). They are off in ``DEFAULT_MIX``, so the default lists
+are unchanged:
+
+* ``code_complete`` - "Complete the following Python function" over a top-level stdlib function's
+  signature and docstring (its body removed), the answer being the whole function in a code block.
+* ``math_reason`` - the ``math`` families with their own seeds, asking for step-by-step reasoning
+  and a boxed or stated final answer, so the answers are worked solutions rather than one line.
+
 ``iter_training_prompts(n, seed, mix)`` returns ``n`` items ``{"id", "kind", "source", "prompt"}``;
 the same arguments (and the same Python / reasoning-gym versions) give the same list. Any prompt
 whose text equals an evaluation prompt is dropped. Capacity (Python 3.11 stdlib): about 10,800 code and
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 
 from .suites import eval_prompt_texts, load_prompts
 
-KINDS = ("code", "math", "chat")
+KINDS = ("code", "math", "chat", "code_complete", "math_reason")
 DEFAULT_MIX = {"code": 0.4, "math": 0.4, "chat": 0.2}
 
 # reasoning-gym families (present in 0.1.25, each generates 100 items in well under a second, output
@@ -47,6 +56,7 @@ MATH_FAMILIES = (
 EVAL_FAMILIES = ("gsm_symbolic",)
 # training seeds are TRAIN_SEED_BASE + 1000 * seed + family index (eval uses 20_250_101 for gsm_symbolic)
 TRAIN_SEED_BASE = 7_000_000
+REASON_SEED_BASE = 8_000_000   # math_reason's seeds: disjoint from math's and from the eval seed
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__",
               "turtledemo", "encodings", "pydoc_data", "ensurepip", "tkinter"}
@@ -67,6 +77,13 @@ class _Func:
     signature: str      # "a, b=1, *args"
     doc: str
     source: str         # full source of the def (decorators included, dedented)
+
+    @property
+    def stub(self) -> str:
+        """The def line(s) and docstring with the body removed, as written (decorators dropped)."""
+        node = ast.parse(self.source).body[0]
+        lines = self.source.splitlines(keepends=True)
+        return "".join(lines[node.lineno - 1: node.body[0].end_lineno]).rstrip() + "\n"
 
     @property
     def source_nodoc(self) -> str:
@@ -216,6 +233,12 @@ def _chat_prompt(d: _Doc, template: int) -> str:
 
 
 _MATH_SUFFIXES = ("", "", "\nExplain your reasoning step by step.")
+# math_reason: the answer formats users ask for (the same instructions as the math500 and
+# gsm-symbolic suites use)
+_REASON_SUFFIXES = ("\nPlease reason step by step, and put your final answer within \\boxed{}.",
+                    " Give the result as your final answer. Do not include units.")
+_COMPLETE_HEAD = ("Complete the following Python function. Return the complete function (signature, "
+                  "docstring and body) in a single ```python code block.")
 
 
 # ----------------------------------------------------------------------------- per-kind pools
@@ -262,6 +285,27 @@ def _code_items(k: int, seed: int, banned: set[str]) -> list[dict]:
     raise ValueError(f"only {len(out)} distinct code prompts available, {k} requested")
 
 
+def _code_complete_items(k: int, seed: int, banned: set[str]) -> list[dict]:
+    """HumanEval-form prompts over top-level stdlib functions (methods need their class)."""
+    if k <= 0:
+        return []
+    funcs, _ = _scan_stdlib(stdlib_dir())
+    skip = _humaneval_names()
+    pool = [f for f in funcs if f.cls is None and f.name not in skip]
+    random.Random(f"lilicorr-code-complete-{seed}").shuffle(pool)
+    out = []
+    for f in pool:
+        p = f"{_COMPLETE_HEAD}\n\n```python\n{f.stub}```"
+        if _norm(p) in banned:
+            continue
+        banned.add(_norm(p))
+        out.append({"id": f"code_complete/{f.module}.{f.qualname}", "kind": "code_complete",
+                    "source": f"stdlib:{f.module}.{f.qualname}", "prompt": p})
+        if len(out) == k:
+            return out
+    raise ValueError(f"only {len(out)} distinct code_complete prompts available, {k} requested")
+
+
 def _chat_items(k: int, seed: int, banned: set[str]) -> list[dict]:
     if k <= 0:
         return []
@@ -286,11 +330,12 @@ def _chat_items(k: int, seed: int, banned: set[str]) -> list[dict]:
     raise ValueError(f"only {len(out)} distinct chat prompts available, {k} requested")
 
 
-def math_family_seed(seed: int, family: str) -> int:
-    return TRAIN_SEED_BASE + 1000 * seed + MATH_FAMILIES.index(family)
+def math_family_seed(seed: int, family: str, base: int = TRAIN_SEED_BASE) -> int:
+    return base + 1000 * seed + MATH_FAMILIES.index(family)
 
 
-def _math_items(k: int, seed: int, banned: set[str], families=MATH_FAMILIES) -> list[dict]:
+def _math_items(k: int, seed: int, banned: set[str], families=MATH_FAMILIES, kind: str = "math",
+                suffixes=_MATH_SUFFIXES, seed_base: int = TRAIN_SEED_BASE) -> list[dict]:
     if k <= 0:
         return []
     import logging
@@ -298,12 +343,12 @@ def _math_items(k: int, seed: int, banned: set[str], families=MATH_FAMILIES) -> 
     bad = set(families) & set(EVAL_FAMILIES)
     if bad:
         raise ValueError(f"evaluation families cannot be training sources: {sorted(bad)}")
-    rng = random.Random(f"lilicorr-math-{seed}")
+    rng = random.Random(f"lilicorr-{kind}-{seed}")
     size = max(4, _math.ceil(1.3 * k / len(families)) + 2)
     for _attempt in range(6):
         per_family = []
         for fam in families:
-            fseed = math_family_seed(seed, fam)
+            fseed = math_family_seed(seed, fam, seed_base)
             logging.disable(logging.WARNING)
             try:
                 ds = reasoning_gym.create_dataset(fam, seed=fseed, size=size)
@@ -315,17 +360,17 @@ def _math_items(k: int, seed: int, banned: set[str], families=MATH_FAMILIES) -> 
         for j in range(size):                    # round robin over families
             for lst in per_family:
                 fam, fseed, i, q = lst[j]
-                p = q.rstrip() + _MATH_SUFFIXES[rng.randrange(len(_MATH_SUFFIXES))]
+                p = q.rstrip() + suffixes[rng.randrange(len(suffixes))]
                 if _norm(p) in seen or _norm(q) in seen:
                     continue
                 seen.add(_norm(p))
-                out.append({"id": f"math/{fam}/{fseed}/{i}", "kind": "math",
+                out.append({"id": f"{kind}/{fam}/{fseed}/{i}", "kind": kind,
                             "source": f"reasoning_gym:{fam}", "prompt": p})
                 if len(out) == k:
                     banned |= seen
                     return out
         size *= 2
-    raise ValueError(f"could not make {k} distinct math prompts")
+    raise ValueError(f"could not make {k} distinct {kind} prompts")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -348,7 +393,7 @@ def _split(n: int, mix: dict) -> dict[str, int]:
 def iter_training_prompts(n: int, seed: int = 0, mix: dict | None = None) -> list[dict]:
     """``n`` training prompts ``{"id", "kind", "source", "prompt"}``, deterministic in (n, seed, mix).
 
-    ``mix`` weights the kinds ``code`` / ``math`` / ``chat`` (normalised; default
+    ``mix`` weights the kinds in ``KINDS`` (normalised; default
     ``DEFAULT_MIX``); counts are split by largest remainder and the kinds are interleaved in a
     seeded random order, so any prefix is mixed too. Ids are unique; no prompt equals an
     evaluation-suite prompt (exactly, or after collapsing whitespace and case).
@@ -361,6 +406,9 @@ def iter_training_prompts(n: int, seed: int = 0, mix: dict | None = None) -> lis
         "code": _code_items(counts["code"], seed, banned),
         "math": _math_items(counts["math"], seed, banned),
         "chat": _chat_items(counts["chat"], seed, banned),
+        "code_complete": _code_complete_items(counts["code_complete"], seed, banned),
+        "math_reason": _math_items(counts["math_reason"], seed, banned, kind="math_reason",
+                                   suffixes=_REASON_SUFFIXES, seed_base=REASON_SEED_BASE),
     }
     order = [k for k in KINDS for _ in range(counts[k])]
     random.Random(f"lilicorr-mix-{seed}").shuffle(order)
