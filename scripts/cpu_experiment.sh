@@ -21,6 +21,7 @@
 #             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
 #   eval-chat greedy on the general-chat suite (prompts in no training file).
 #   eval-t1   temperature 1 over SEEDS: argmax on the vanilla drafter, lilicorr on the joint one.
+# THREADS (default 1): torch threads per process; features and regen start one process per core.
 # SEED_DATA (default data/smollm2, committed): gzipped magpie prompts and regen files copied into an
 # empty WORK first, so regen resumes after them instead of starting over (SEED_DATA= to start empty).
 # DTYPE (float32 | bfloat16) is the target's dtype in regen, features and eval; the default is the
@@ -29,7 +30,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . .venv/bin/activate
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=1     # one thread per process: 2 shared cores
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${THREADS:-1}  # one thread per process: 2 shared cores
+                                                         # (THREADS=2 for a single training arm)
 W=${WORK:-work/cpu_smollm2}
 T=.cache/smollm2-135m-instruct-float32
 DTYPE=${DTYPE:-$(python -c "from lilicorr.target import resolve_dtype; print(str(resolve_dtype('auto')).removeprefix('torch.'))")}
