@@ -35,6 +35,28 @@ META_KEYS = ("target", "max_new_tokens", "seed", "mix", "prompts", "rule")
 
 
 # ----------------------------------------------------------------------------- output file
+def iter_id_lines(path: str | os.PathLike):
+    """(id, line) for each line of a finished JSONL file of this format, plain or gzipped (``.gz``),
+    each line ending in a newline. A line that is not JSON or has no "id" raises ``ValueError``
+    naming it."""
+    import gzip
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)["id"], line if line.endswith("\n") else line + "\n"
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{lineno}: not a JSON line with an id") from None
+
+
+def read_ids(path: str | os.PathLike) -> set[str]:
+    """The ids of a finished JSONL file (`iter_id_lines`): what an earlier round wrote."""
+    return {i for i, _ in iter_id_lines(path)}
+
+
 def repair_and_read(path: str | os.PathLike) -> dict[str, dict]:
     """Drop a trailing partial line of ``path`` (in place) and return {id: record} of its lines.
 
@@ -163,14 +185,17 @@ def regenerate(target_dir: str | os.PathLike | None, out: str | os.PathLike, *,
                prompts_name: str | None = None,
                device: str = "cpu", dtype=None, max_seq_len: int = 2048,
                engine=None, tokenizer=None, progress: bool = True, allow_mismatch: bool = False,
-               max_prompts_this_run: int | None = None, shard: tuple[int, int] | None = None) -> dict:
+               max_prompts_this_run: int | None = None, shard: tuple[int, int] | None = None,
+               exclude: Iterable[str] = ()) -> dict:
     """Generate the assistant turn of each training prompt into ``out`` (resumable JSONL).
 
     ``prompts`` defaults to ``iter_training_prompts(num_prompts, seed, mix)``. ``engine`` /
     ``tokenizer`` may be passed in (tests); otherwise ``SpecEngine.from_paths(target_dir, ...)``
     and ``Tokenizer.from_dir(target_dir)`` are built. ``max_prompts_this_run`` stops after that
     many new lines (for tests of resume). ``shard=(i, n)`` keeps the i-th of n contiguous blocks of
-    the prompt list, so n processes (one per core, each its own ``out``) split one list. Returns counts:
+    the prompt list, so n processes (one per core, each its own ``out``) split one list. ``exclude``:
+    ids dropped from the list before it is sharded (a grown list minus what an earlier round wrote,
+    `read_ids`), so the shards split only the new work. Returns counts:
     ``{"total", "already_done", "written", "skipped_too_long", "new_tokens", "seconds"}``.
     """
     if max_new_tokens < 1:
@@ -182,6 +207,9 @@ def regenerate(target_dir: str | os.PathLike | None, out: str | os.PathLike, *,
         from .data.prompt_sources import iter_training_prompts
         prompts = iter_training_prompts(num_prompts, seed=seed, mix=mix)
     prompts = list(prompts)
+    exclude = set(exclude)
+    if exclude:
+        prompts = [p for p in prompts if p["id"] not in exclude]
     if shard is not None:
         i, n = shard
         if not 0 <= i < n:

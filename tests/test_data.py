@@ -199,6 +199,29 @@ def test_training_prompts_in_user_forms(train_prompts):
     assert not {p["kind"] for p in train_prompts} & {"code_complete", "math_reason"}
 
 
+def test_code_complete_grows_into_methods():
+    """Past the stdlib's top-level functions, code_complete shows methods inside their class; a
+    longer list keeps a shorter one as its prefix (a grown data round adds, never replaces)."""
+    import ast
+
+    from lilicorr.data.prompt_sources import iter_training_prompts
+    short = [p for p in iter_training_prompts(300, seed=0, mix={"code_complete": 1})]
+    long = [p for p in iter_training_prompts(1600, seed=0, mix={"code_complete": 1})]
+    assert long[:300] == short
+    methods = [p for p in long if p["prompt"].startswith("Complete the following method")]
+    assert methods and all(p["kind"] == "code_complete" for p in methods)
+    tops = [i for i, p in enumerate(long) if p not in methods]
+    assert max(tops) < long.index(methods[0])            # every top-level function comes first
+    for p in methods[:50]:
+        code = p["prompt"].partition("\n\n```python\n")[2].removesuffix("```")
+        cls = ast.parse(code).body[0]
+        assert isinstance(cls, ast.ClassDef) and f"class `{cls.name}`" in p["prompt"]
+        fn = cls.body[0]
+        assert isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(fn)
+        assert len(fn.body) == 1 and p["id"].endswith(f".{cls.name}.{fn.name}")
+    assert len({p["id"] for p in long}) == len(long)
+
+
 def test_training_prompts_independent_of_hash_seed():
     """Same list in processes with different PYTHONHASHSEED (some reasoning-gym families are not)."""
     code = ("import hashlib, json; from lilicorr.data.prompt_sources import iter_training_prompts; "
@@ -283,6 +306,25 @@ def test_regen_resume_and_early_stop(tiny_target_dir, tmp_path):
     assert {r["id"]: r for part in parts for r in _lines(part)} == full
     with pytest.raises(ValueError, match="shard 3/3"):
         regenerate(target, tmp_path / "bad.jsonl", shard=(3, 3), **kw)
+
+    # a grown round: ids an earlier round wrote (read from its gzipped file) leave the list before
+    # the shards split it, so two shards share only the new prompts between them
+    import gzip
+    from lilicorr.regen import read_ids
+    earlier = tmp_path / "earlier.jsonl.gz"
+    with gzip.open(earlier, "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(full[i]) + "\n" for i in sorted(full)[:6])
+    assert read_ids(earlier) == set(sorted(full)[:6])
+    grown = [tmp_path / f"grown-{i}.jsonl" for i in range(2)]
+    stats = [regenerate(target, part, shard=(i, 2), exclude=read_ids(earlier), **kw)
+             for i, part in enumerate(grown)]
+    assert [st["total"] for st in stats] == [2, 2]
+    new_ids = [r["id"] for part in grown for r in _lines(part)]
+    assert sorted(new_ids) == sorted(full)[6:]
+    assert all(r == full[r["id"]] for part in grown for r in _lines(part))
+    (tmp_path / "broken.jsonl").write_text('{"id": "a"}\n{"no id": 1}\n')
+    with pytest.raises(ValueError, match=r"broken\.jsonl:2"):
+        read_ids(tmp_path / "broken.jsonl")
 
 
 def test_regen_guards(tiny_target_dir, tmp_path):
@@ -388,3 +430,26 @@ def test_regen_smollm2(smollm2_dir, tmp_path):
         else:
             assert r["finish_reason"] == "length" and len(r["completion_ids"]) == 24
             assert not set(r["completion_ids"]) & tok.eos_ids
+
+
+def test_append_jsonl_gz_keeps_each_id_once(tmp_path):
+    """scripts/append_jsonl_gz.py: a data round's new lines join the kept file in order, a repeated
+    id is kept once, and a bad line changes nothing."""
+    import gzip
+    script = [sys.executable, str(REPO / "scripts" / "append_jsonl_gz.py")]
+    data = tmp_path / "d.jsonl.gz"
+    with gzip.open(data, "wt", encoding="utf-8") as f:
+        f.write('{"id": "a", "x": 1}\n{"id": "b", "x": 2}\n')
+    (tmp_path / "n0.jsonl").write_text('{"id": "c", "x": 3}\n{"id": "a", "x": 9}\n')
+    (tmp_path / "n1.jsonl").write_text('{"id": "d", "x": 4}')           # no final newline
+    r = subprocess.run(script + [str(data), str(tmp_path / "n0.jsonl"), str(tmp_path / "n1.jsonl")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert "2 lines, 2 added, 4 now" in r.stdout
+    rows = [json.loads(l) for l in gzip.open(data, "rt")]
+    assert [(x["id"], x["x"]) for x in rows] == [("a", 1), ("b", 2), ("c", 3), ("d", 4)]
+    before = data.read_bytes()
+    (tmp_path / "bad.jsonl").write_text('{"id": "e"}\n[1, 2]\n')
+    r = subprocess.run(script + [str(data), str(tmp_path / "bad.jsonl")], capture_output=True, text=True)
+    assert r.returncode == 2 and "bad.jsonl:2" in r.stderr
+    assert data.read_bytes() == before and not list(tmp_path.glob(".*.tmp"))

@@ -4,6 +4,7 @@
     python train/regen.py --target DIR --out FILE.jsonl [--num-prompts N] [--max-new-tokens 256]
                           [--batch-size 8] [--seed 0] [--mix code=0.4,math=0.4,chat=0.2]
                           [--prompts FILE.jsonl] [--device cpu] [--dtype float32] [--shard I/N]
+                          [--exclude DONE.jsonl[.gz] ...]
 
 Generation goes through ``lilicorr.engine.SpecEngine`` with rule "ar". Resumable: rerun the same
 command after an interruption (Ctrl-C or SIGTERM, e.g. from ``timeout``; exit status 130); ids
@@ -19,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run from a checkout without install
 
-from lilicorr.regen import regenerate  # noqa: E402
+from lilicorr.regen import read_ids, regenerate  # noqa: E402
 
 
 def _mix(s: str) -> dict:
@@ -63,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--shard", type=_shard, default=None,
                     help="I/N: only the I-th of N contiguous blocks of the prompt list (run N processes, "
                          "each with its own --out, to use N cores)")
+    ap.add_argument("--exclude", action="append", default=[], metavar="FILE",
+                    help="a JSONL file (plain or .gz) of an earlier round: its ids leave the prompt list "
+                         "before --shard splits it (repeatable)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
 
@@ -83,13 +87,14 @@ def main(argv=None) -> int:
         if len(prompts) != n:
             print(f"[regen] dropped {n - len(prompts)} prompts that equal evaluation prompts", file=sys.stderr)
     try:
+        exclude = set().union(*(read_ids(f) for f in args.exclude))
         stats = regenerate(args.target, args.out, num_prompts=args.num_prompts,
                            max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                            seed=args.seed, mix=args.mix, prompts=prompts,
                            prompts_name=str(Path(args.prompts).resolve()) if args.prompts else None,
                            device=args.device, dtype=getattr(torch, args.dtype),
                            max_seq_len=args.max_seq_len, progress=not args.no_progress,
-                           allow_mismatch=args.allow_mismatch, shard=args.shard)
+                           allow_mismatch=args.allow_mismatch, shard=args.shard, exclude=exclude)
     except KeyboardInterrupt:
         return 130
     except (ValueError, RuntimeError, FileNotFoundError) as e:

@@ -239,6 +239,8 @@ _REASON_SUFFIXES = ("\nPlease reason step by step, and put your final answer wit
                     " Give the result as your final answer. Do not include units.")
 _COMPLETE_HEAD = ("Complete the following Python function. Return the complete function (signature, "
                   "docstring and body) in a single ```python code block.")
+_METHOD_COMPLETE_HEAD = ("Complete the following method of the Python class `{cls}`. Return the complete "
+                         "method (signature, docstring and body) in a single ```python code block.")
 
 
 # ----------------------------------------------------------------------------- per-kind pools
@@ -286,16 +288,24 @@ def _code_items(k: int, seed: int, banned: set[str]) -> list[dict]:
 
 
 def _code_complete_items(k: int, seed: int, banned: set[str]) -> list[dict]:
-    """HumanEval-form prompts over top-level stdlib functions (methods need their class)."""
+    """HumanEval-form prompts over stdlib functions: the top-level ones first, then methods shown
+    inside their class (`_METHOD_COMPLETE_HEAD`), each group in its own seeded order, so a longer
+    list keeps a shorter one as its prefix."""
     if k <= 0:
         return []
     funcs, _ = _scan_stdlib(stdlib_dir())
     skip = _humaneval_names()
-    pool = [f for f in funcs if f.cls is None and f.name not in skip]
-    random.Random(f"lilicorr-code-complete-{seed}").shuffle(pool)
+    top = [f for f in funcs if f.cls is None and f.name not in skip]
+    methods = [f for f in funcs if f.cls is not None and f.name not in skip]
+    random.Random(f"lilicorr-code-complete-{seed}").shuffle(top)
+    random.Random(f"lilicorr-code-complete-methods-{seed}").shuffle(methods)
     out = []
-    for f in pool:
-        p = f"{_COMPLETE_HEAD}\n\n```python\n{f.stub}```"
+    for f in top + methods:
+        if f.cls is None:
+            p = f"{_COMPLETE_HEAD}\n\n```python\n{f.stub}```"
+        else:
+            p = (f"{_METHOD_COMPLETE_HEAD.format(cls=f.cls)}\n\n```python\nclass {f.cls}:\n"
+                 f"{textwrap.indent(f.stub, '    ')}```")
         if _norm(p) in banned:
             continue
         banned.add(_norm(p))
