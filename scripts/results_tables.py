@@ -127,11 +127,13 @@ def fit_report(ckpt: Path, evals: list[Path], bases: list[Path], every: int) -> 
     """A checkpoint's size and training-batch fit beside the engine tau of its eval JSONs."""
     from safetensors import safe_open
 
-    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
-        sizes = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
-    head = sum(n for k, n in sizes.items() if k.startswith("head"))
-    out = [f"trained parameters: {sum(sizes.values()) / 1e6:.2f} M (drafter {(sum(sizes.values()) - head) / 1e6:.2f} M, "
-           f"head {head / 1e6:.2f} M)"]
+    out = []
+    if (ckpt / "model.safetensors").is_file():   # a results folder may keep only the training meta.json
+        with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+            sizes = {k: math.prod(f.get_slice(k).get_shape()) for k in f.keys()}
+        head = sum(n for k, n in sizes.items() if k.startswith("head"))
+        out.append(f"trained parameters: {sum(sizes.values()) / 1e6:.2f} M (drafter "
+                   f"{(sum(sizes.values()) - head) / 1e6:.2f} M, head {head / 1e6:.2f} M)")
     hist = json.loads((ckpt / "meta.json").read_text())["history"]
     out.append("| steps | training-batch tau (walk) | slot-1 top-1 |\n|---|---:|---:|")
     for lo in range(0, len(hist), every):
