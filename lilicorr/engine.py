@@ -535,6 +535,8 @@ class SpecEngine:
             prop = None
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
             apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
+        if not dseqs and not lk_idx and self.lean_plain_steps:   # nothing to verify: a plain step
+            return self._plain_spec_step(seqs, look)
         draft_s = 0.0
         if dseqs:
             sel = torch.tensor(d_idx, device=dev)
@@ -624,6 +626,32 @@ class SpecEngine:
             if plain is not None:
                 self._learn_draft_gain(n, sum(e.accepted for e in events),
                                        self.cost.plain_steps(n, verify_s + draft_s), plain)
+        return events
+
+    def _plain_spec_step(self, seqs: list[_Seq], look: list[list[int]]) -> list[StepEvent]:
+        """A speculative step in which no row verifies a draft or a lookup (the draft-length policy
+        paused them all, as under load): one plain target step, as lean as `_ar_step`, that still
+        captures the drafter's features and keeps each row's bookkeeping of a 0-draft verify. The
+        same tokens, random draws and statistics as `_spec_step` with every length 0."""
+        dev = self.device
+        with stage(STAGE_VERIFY):
+            ids = torch.tensor([[s.anchor] for s in seqs], device=dev)                 # [N, 1]
+            pos = torch.tensor([[s.anchor_pos] for s in seqs], device=dev)             # [N, 1]
+            rows = torch.tensor([s.tslot for s in seqs], device=dev)
+            tv = time.perf_counter()
+            out = self.target(ids, pos, cache=self.cache, rows=rows, capture=self.capture)
+            if self.cost is not None:
+                self.cost.observe_verify(len(seqs), 1, time.perf_counter() - tv)
+        events = []
+        with stage(STAGE_ACCEPT):
+            feats = out.captured.clone()                                                # [N, 1, n, H]
+            for i, s in enumerate(seqs):
+                tok = self._sample(out.logits[i, 0], s)
+                self._record(s, feats[i], 0, 0, [])
+                if look[i]:            # an unverified lookup still learns from the committed token
+                    self._learn_lookup(s, look[i], [tok])
+                events.append(self._commit(s, [tok], accepted=1, drafted=0))
+                self._settle_oracle(s)
         return events
 
     def _draft(self, dseqs: list[_Seq], anchors: torch.Tensor, apos: torch.Tensor):
@@ -748,6 +776,7 @@ class SpecEngine:
 
     IDLE_RELAX = 0.3        # share of the way back to the prior a non-drafting row's history moves per step
     PROBE_BACKOFF_MAX = 16  # probes back off to at most once per PROBE_EVERY x this many steps
+    lean_plain_steps = True  # a step with nothing to verify takes `_plain_spec_step` (False: the full path)
 
     @staticmethod
     def _wants_draft(s: _Seq, cost: list[float], draft_cost: float) -> str | None:

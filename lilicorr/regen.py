@@ -35,21 +35,31 @@ META_KEYS = ("target", "max_new_tokens", "seed", "mix", "prompts", "rule")
 
 
 # ----------------------------------------------------------------------------- output file
+def parse_record(line: str | bytes, where: str) -> dict:
+    """One complete line of this format -> its record (an object with an "id"). Anything else is
+    corruption: ``ValueError`` naming ``where`` (file:line)."""
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON in a complete line ({e.msg}); "
+                         f"the file is corrupt, fix or remove that line") from None
+    if not isinstance(rec, dict) or "id" not in rec:
+        raise ValueError(f"{where}: line is not an object with an \"id\"")
+    return rec
+
+
 def iter_id_lines(path: str | os.PathLike):
     """(id, line) for each line of a finished JSONL file of this format, plain or gzipped (``.gz``),
     each line ending in a newline. A line that is not JSON or has no "id" raises ``ValueError``
-    naming it."""
+    naming it (`parse_record`)."""
     import gzip
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)["id"], line if line.endswith("\n") else line + "\n"
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path}:{lineno}: not a JSON line with an id") from None
+            if line.strip():
+                rec = parse_record(line, f"{path}:{lineno}")
+                yield rec["id"], line if line.endswith("\n") else line + "\n"
 
 
 def read_ids(path: str | os.PathLike) -> set[str]:
@@ -78,16 +88,9 @@ def repair_and_read(path: str | os.PathLike) -> dict[str, dict]:
             data = data[:cut]
     done: dict[str, dict] = {}
     for lineno, line in enumerate(data.split(b"\n"), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{lineno}: invalid JSON in a complete line ({e.msg}); "
-                             f"the file is corrupt, fix or remove that line") from None
-        if not isinstance(rec, dict) or "id" not in rec:
-            raise ValueError(f"{path}:{lineno}: line is not an object with an \"id\"")
-        done[rec["id"]] = rec
+        if line.strip():
+            rec = parse_record(line, f"{path}:{lineno}")
+            done[rec["id"]] = rec
     return done
 
 

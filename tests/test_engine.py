@@ -680,6 +680,39 @@ def test_auto_draft_length_degrades_to_plain_steps_under_cost(tiny_target_dir):
     assert plain >= 0.7 * len(spec_steps), f"{plain} plain steps of {len(spec_steps)}"
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_plain_spec_step_leaves_the_state_of_a_full_zero_draft_step(tiny_target_dir, temperature):
+    """A speculative step with nothing to verify takes the lean plain path; it must leave exactly
+    what the full path leaves: the tokens and random draws, the per-row statistics (oracle, slot
+    counts, acceptance histogram), the events, and the features the drafter later catches up on."""
+    path = tiny_target_dir("llama")
+    runs = []
+    for lean in (True, False):
+        engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", seed=3)
+        if temperature > 0:            # sampled anchors: a real (untrained) drafter instead of the script
+            runner = TorchDraftRunner(small_model(engine.target, 5, top_k=2), 8)
+            engine = SpecEngine(engine.target, runner, max_batch=8, draft_length="auto")
+        engine.lean_plain_steps = lean
+        _set_costs(engine, lambda k: float(k), step_seconds=1e-12)   # mostly plain steps, a few probes
+        for i, r in enumerate(reqs):
+            r["temperature"], r["seed"] = temperature, 100 + i
+        appended, append = [], runner.append_context
+        runner.append_context = lambda slots, feats, pos: appended.append(
+            (slots.tolist(), [f.clone() for f in feats], pos.tolist())) or append(slots, feats, pos)
+        plain, spec_step = [], engine._plain_spec_step
+        engine._plain_spec_step = lambda seqs, look: plain.append(len(seqs)) or spec_step(seqs, look)
+        results, events = run_requests(engine, reqs, runner=runner if temperature == 0 else None)
+        runs.append((results, events, appended, plain))
+    (lean_res, lean_ev, lean_app, lean_plain), (full_res, full_ev, full_app, full_plain) = runs
+    assert lean_plain and not full_plain          # the lean path ran, and only where it was on
+    assert lean_res == full_res
+    assert [[(e.new_tokens, e.accepted, e.drafted) for e in lean_ev[i]] for i in range(len(lean_res))] == \
+           [[(e.new_tokens, e.accepted, e.drafted) for e in full_ev[i]] for i in range(len(full_res))]
+    assert len(lean_app) == len(full_app) > 0
+    for (s1, f1, p1), (s2, f2, p2) in zip(lean_app, full_app):
+        assert s1 == s2 and p1 == p2 and all(torch.equal(a, b) for a, b in zip(f1, f2))
+
+
 def test_auto_draft_length_probes_back_off_while_they_do_not_pay(tiny_target_dir):
     """Where every drafter pass costs far more than it commits, each probing step doubles the wait
     before the next probe up to PROBE_BACKOFF_MAX, so the drafter runs less often than with a fixed
@@ -1040,6 +1073,41 @@ def test_auto_draft_length_pauses_where_drafting_steps_were_slower(tiny_target_d
             gains = [engine._draft_gain_at(r) for r in engine._draft_gain]
             assert all(g < 1.0 for g in gains) and max(gains) > 0.5, gains     # relaxing, still paused
     assert drafted[False] > 0 and drafted[True] == 0, drafted
+
+
+def test_auto_draft_length_gate_and_probe_back_off_together(tiny_target_dir):
+    """Both pauses at once, on a load where drafting pays again: every load's draft-gain gate
+    closed and the probes backed off, rows starting from an acceptance that asks for no drafting.
+    A closed gate still lets probes run (one row per step; nothing else drafts); a probe that pays
+    resets the back-off and lifts the acceptance rows start from, so rows ask to draft (and stop
+    probing); the gate holds them only until their load relaxes open, then drafting resumes.
+    Outputs stay the target's throughout."""
+    path = tiny_target_dir("llama")
+    engine, runner, reqs, truths = _scripted_engine(path, 5, "auto", high_accept=True)
+    _set_costs(engine, lambda k: 1.0 + 0.01 * (k - 1), step_seconds=1e9)   # drafting pays again
+    engine._prior = [0.0] * len(engine._prior)             # what a losing stretch left: no row asks to draft
+    engine.PROBE_EVERY, engine.PROBE_BACKOFF_MAX = 1, 4
+    engine._probe_scale = engine._probe_wait = engine.PROBE_BACKOFF_MAX   # backed off by losing probes
+    engine._draft_gain = {rows: (0.97, 1.0) for rows in range(1, engine.max_batch + 1)}   # gates closed
+    steps, spec_step = [], engine._spec_step
+
+    def watched(seqs):
+        closed = engine._draft_gain_at(len(seqs)) < 1.0
+        drafted_before = [s.drafted for s in seqs]
+        out = spec_step(seqs)
+        rows = sum(s.drafted > d for s, d in zip(seqs, drafted_before))
+        steps.append((closed, rows, engine._probe_scale))
+        return out
+
+    engine._spec_step = watched
+    results, events = run_requests(engine, reqs, runner=runner)
+    for req, r in zip(reqs, results):
+        assert r.tokens == truths[req["key"]][len(req["prompt"]):][: req["max_tokens"]], req["rule"]
+    closed = [(rows, scale) for was_closed, rows, scale in steps if was_closed]
+    opened = [rows for was_closed, rows, _ in steps if not was_closed]
+    assert all(rows <= 1 for rows, _ in closed)                  # a closed gate: probes only
+    assert any(rows == 1 and scale == 1 for rows, scale in closed)   # a probe paid: back-off reset
+    assert opened and max(opened) >= 1                           # relaxed open: drafting resumed
 
 
 def test_draft_cost_of_an_unseen_load_is_the_nearest_seen_one():
