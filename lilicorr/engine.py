@@ -535,8 +535,6 @@ class SpecEngine:
             prop = None
             anchors = torch.tensor([s.anchor for s in seqs], device=dev)
             apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
-        if not dseqs and not lk_idx and self.lean_plain_steps:   # nothing to verify: a plain step
-            return self._plain_spec_step(seqs, look)
         draft_s = 0.0
         if dseqs:
             sel = torch.tensor(d_idx, device=dev)
@@ -569,6 +567,8 @@ class SpecEngine:
                         lengths[i] = self.draft_length or (b - 1)
                     for i in lk_idx:
                         lengths[i] = min(len(look[i]), self.draft_length or (b - 1))
+        if prop is None and not any(lengths) and self.lean_plain_steps:   # nothing to verify: a plain step
+            return self._plain_spec_step(seqs, look)
         t = 1 + max(lengths)
         with stage(STAGE_VERIFY):
             block = torch.zeros(n, t, dtype=torch.long, device=dev)
@@ -630,9 +630,10 @@ class SpecEngine:
 
     def _plain_spec_step(self, seqs: list[_Seq], look: list[list[int]]) -> list[StepEvent]:
         """A speculative step in which no row verifies a draft or a lookup (the draft-length policy
-        paused them all, as under load): one plain target step, as lean as `_ar_step`, that still
-        captures the drafter's features and keeps each row's bookkeeping of a 0-draft verify. The
-        same tokens, random draws and statistics as `_spec_step` with every length 0."""
+        paused the drafter and priced every lookup at 0 tokens, as under load): one plain target
+        step, as lean as `_ar_step`, that still captures the drafter's features and keeps each row's
+        bookkeeping of a 0-draft verify. The same tokens, random draws and statistics as
+        `_spec_step` with every length 0."""
         dev = self.device
         with stage(STAGE_VERIFY):
             ids = torch.tensor([[s.anchor] for s in seqs], device=dev)                 # [N, 1]

@@ -680,11 +680,12 @@ def test_auto_draft_length_degrades_to_plain_steps_under_cost(tiny_target_dir):
     assert plain >= 0.7 * len(spec_steps), f"{plain} plain steps of {len(spec_steps)}"
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_plain_spec_step_leaves_the_state_of_a_full_zero_draft_step(tiny_target_dir, temperature):
-    """A speculative step with nothing to verify takes the lean plain path; it must leave exactly
-    what the full path leaves: the tokens and random draws, the per-row statistics (oracle, slot
-    counts, acceptance histogram), the events, and the features the drafter later catches up on."""
+@pytest.mark.parametrize("temperature,prompt_lookup", [(0.0, 0), (1.0, 0), (0.0, 3)])
+def test_plain_spec_step_leaves_the_state_of_a_full_zero_draft_step(tiny_target_dir, temperature, prompt_lookup):
+    """A speculative step with nothing to verify (no row drafts, every lookup priced at 0 tokens)
+    takes the lean plain path; it must leave exactly what the full path leaves: the tokens and
+    random draws, the per-row statistics (oracle, slot counts, acceptance histogram, lookup
+    acceptance), the events, and the features the drafter later catches up on."""
     path = tiny_target_dir("llama")
     runs = []
     for lean in (True, False):
@@ -693,6 +694,7 @@ def test_plain_spec_step_leaves_the_state_of_a_full_zero_draft_step(tiny_target_
             runner = TorchDraftRunner(small_model(engine.target, 5, top_k=2), 8)
             engine = SpecEngine(engine.target, runner, max_batch=8, draft_length="auto")
         engine.lean_plain_steps = lean
+        engine.prompt_lookup = prompt_lookup
         _set_costs(engine, lambda k: float(k), step_seconds=1e-12)   # mostly plain steps, a few probes
         for i, r in enumerate(reqs):
             r["temperature"], r["seed"] = temperature, 100 + i
@@ -700,12 +702,15 @@ def test_plain_spec_step_leaves_the_state_of_a_full_zero_draft_step(tiny_target_
         runner.append_context = lambda slots, feats, pos: appended.append(
             (slots.tolist(), [f.clone() for f in feats], pos.tolist())) or append(slots, feats, pos)
         plain, spec_step = [], engine._plain_spec_step
-        engine._plain_spec_step = lambda seqs, look: plain.append(len(seqs)) or spec_step(seqs, look)
+        engine._plain_spec_step = lambda seqs, look: plain.append(any(look)) or spec_step(seqs, look)
         results, events = run_requests(engine, reqs, runner=runner if temperature == 0 else None)
-        runs.append((results, events, appended, plain))
-    (lean_res, lean_ev, lean_app, lean_plain), (full_res, full_ev, full_app, full_plain) = runs
+        runs.append((results, events, appended, plain, (engine._prior, engine._lookup_prior)))
+    lean_res, lean_ev, lean_app, lean_plain, lean_learnt = runs[0]
+    full_res, full_ev, full_app, full_plain, full_learnt = runs[1]
     assert lean_plain and not full_plain          # the lean path ran, and only where it was on
+    assert any(lean_plain) == bool(prompt_lookup)   # with lookups: some of its steps had one, unverified
     assert lean_res == full_res
+    assert lean_learnt == full_learnt               # the acceptance new rows start from, drafts and lookups
     assert [[(e.new_tokens, e.accepted, e.drafted) for e in lean_ev[i]] for i in range(len(lean_res))] == \
            [[(e.new_tokens, e.accepted, e.drafted) for e in full_ev[i]] for i in range(len(full_res))]
     assert len(lean_app) == len(full_app) > 0

@@ -334,6 +334,25 @@ def test_engine_loop_errors_are_final_and_loop_survives(make_engine, loop_refere
     assert j2.sink.tokens() == loop_reference([1, 7], 3, "lilicorr").tokens
 
 
+def test_engine_loop_publishes_at_most_every_interval_and_always_the_end(make_engine, loop_reference):
+    """With publish_every_s the on_step hook skips steps inside the interval (every step without
+    it), but the step that finishes a request always publishes, so the hook's last view holds
+    every token and the completed request."""
+    calls = {}
+    for every in (0.0, 3600.0):
+        eng = make_engine()
+        job = Job("long", [1, 12, 20], gp(24, rule="ar"), RecordingSink())
+        seen = []
+        loop = run_jobs(eng, [job], publish_every_s=every,
+                        on_step=lambda stats, events: seen.append((stats.steps, stats.output_tokens,
+                                                                   stats.requests_ok)))
+        assert job.sink.tokens() == loop_reference([1, 12, 20], 24, "ar").tokens
+        assert seen[-1] == (loop.stats.steps, 24, 1)                 # the end is always published
+        calls[every] = len(seen)
+        steps = loop.stats.steps
+    assert calls[0.0] >= steps >= 24 and calls[3600.0] <= 3, calls   # prefill, the end, the idle loop
+
+
 def test_engine_loop_admits_at_most_max_active(make_engine, loop_reference):
     eng = make_engine(max_batch=3)
     active = []

@@ -106,8 +106,12 @@ class EngineLoop:
     def __init__(self, engine: Any, *, max_active: int = 32, cancel_check_period_s: float = 0.02,
                  idle_poll_s: float = 0.05, on_step: Callable[[LoopStats, list], None] | None = None,
                  log: Callable[[str], None] | None = None, stop_ids: Sequence[int] | None = None,
-                 timer: Any = None):
+                 timer: Any = None, publish_every_s: float = 0.0):
         self.engine = engine
+        # on_step after a step at most this often, except when a request finished or the active /
+        # waiting / failed / cancelled counts changed (0: after every step)
+        self.publish_every_s = publish_every_s
+        self._published_at = float("-inf")
         self.timer = timer      # lilicorr.profiling.StageTimer: stage times of every engine step
         self.stop_ids = list(stop_ids) if stop_ids else None
         self.max_active = max_active
@@ -313,13 +317,21 @@ class EngineLoop:
         self._publish(events)
 
     def _publish(self, events: list) -> None:
-        """Refresh the gauges and call the on_step hook (after a step, or when idle counts changed)."""
+        """Refresh the gauges and call the on_step hook (after a step, or when idle counts changed).
+        With `publish_every_s`, a step that finished no request and changed no count waits for the
+        next one past that interval: each call crosses to the server (the model's metrics), and the
+        step that ends a request, or the idle loop after it, always publishes everything."""
         self.stats.active, self.stats.waiting = len(self._active), len(self._waiting)
         key = (self.stats.steps, self.stats.active, self.stats.waiting, self.stats.requests_failed,
                self.stats.requests_cancelled)
-        if self.on_step is None or (not events and key == getattr(self, "_published", None)):
+        last = getattr(self, "_published", None)
+        if self.on_step is None or (not events and key == last):
             return
-        self._published = key
+        now = time.monotonic()
+        if (events and last is not None and key[1:] == last[1:] and now - self._published_at < self.publish_every_s
+                and not any(getattr(ev, "finished", False) for ev in events)):
+            return
+        self._published, self._published_at = key, now
         try:
             self.on_step(self.stats, events)
         except Exception:  # noqa: BLE001 - metrics must never break serving

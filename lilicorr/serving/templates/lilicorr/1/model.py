@@ -58,8 +58,14 @@ class SenderSink:
         return self.sender is None or self.sender.is_cancelled()
 
 
+# metrics sync at most this often while requests run (each sync is IPC to the server), and always
+# after a step that finishes a request or changes the request counts
+METRICS_EVERY_S = 0.1
+
+
 class _Metrics:
-    """Custom Prometheus metrics on the server's /metrics endpoint (synced after each engine step)."""
+    """Custom Prometheus metrics on the server's /metrics endpoint (synced after engine steps,
+    at most every METRICS_EVERY_S while requests run, and whenever a request finishes)."""
 
     COUNTERS = {
         "output_tokens": "lilicorr_output_tokens",
@@ -163,6 +169,7 @@ class TritonPythonModel:
             max_active=int(params.get("max_batch") or 32),
             cancel_check_period_s=int(params.get("cancellation_check_period_ms") or 20) / 1000.0,
             on_step=on_step,
+            publish_every_s=METRICS_EVERY_S,
             log=pb_utils.Logger.log_error,
             stop_ids=self.limits.stop_ids,
             timer=timer,
