@@ -88,8 +88,10 @@ def bench_table(files: list[Path]) -> str:
         for conc in sorted({k[1] for k in walls}):
             ar, li = walls.get(("ar", conc)), walls.get(("lilicorr", conc))
             if ar and li:
-                out.append(f"{f.stem}, concurrency {conc}: per-block wall ar {ar['per_block_wall_ms']:.1f} ms, "
-                           f"lilicorr {li['per_block_wall_ms']:.1f} ms (verify {li['stages_ms']['target_verify']:.1f}), "
+                out.append(f"{f.stem}, concurrency {conc}: per-block wall ar {ar['per_block_wall_ms']:.1f} ms "
+                           f"(accept {ar['stages_ms']['accept_residual']:.2f}), "
+                           f"lilicorr {li['per_block_wall_ms']:.1f} ms (verify {li['stages_ms']['target_verify']:.1f}, "
+                           f"accept {li['stages_ms']['accept_residual']:.2f}), "
                            f"head share {li['head_share_pct']:.1f}%; every speculative output = ar: "
                            f"{all(c.get('matches_ar') in (None, 1.0) for c in d['cells'])}")
     return "\n".join(out)
