@@ -61,6 +61,7 @@ import itertools
 import math
 import operator
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -634,13 +635,9 @@ class SpecEngine:
         step, as lean as `_ar_step`, that still captures the drafter's features and keeps each row's
         bookkeeping of a 0-draft verify. The same tokens, random draws and statistics as
         `_spec_step` with every length 0."""
-        dev = self.device
         with stage(STAGE_VERIFY):
-            ids = torch.tensor([[s.anchor] for s in seqs], device=dev)                 # [N, 1]
-            pos = torch.tensor([[s.anchor_pos] for s in seqs], device=dev)             # [N, 1]
-            rows = torch.tensor([s.tslot for s in seqs], device=dev)
             tv = time.perf_counter()
-            out = self.target(ids, pos, cache=self.cache, rows=rows, capture=self.capture)
+            out = self._plain_forward(seqs, self.capture)
             if self.cost is not None:
                 self.cost.observe_verify(len(seqs), 1, time.perf_counter() - tv)
         events = []
@@ -938,13 +935,17 @@ class SpecEngine:
             if not hit:
                 break
 
-    def _ar_step(self, seqs: list[_Seq]) -> list[StepEvent]:
+    def _plain_forward(self, seqs: list[_Seq], capture: Sequence[int] = ()):
+        """One plain target step of every row: its anchor at its position, [N, 1]."""
         dev = self.device
+        ids = torch.tensor([[s.anchor] for s in seqs], device=dev)                     # [N, 1]
+        pos = torch.tensor([[s.anchor_pos] for s in seqs], device=dev)                 # [N, 1]
+        rows = torch.tensor([s.tslot for s in seqs], device=dev)
+        return self.target(ids, pos, cache=self.cache, rows=rows, capture=capture)
+
+    def _ar_step(self, seqs: list[_Seq]) -> list[StepEvent]:
         with stage(STAGE_VERIFY):
-            ids = torch.tensor([[s.anchor] for s in seqs], device=dev)
-            pos = torch.tensor([[s.anchor_pos] for s in seqs], device=dev)
-            rows = torch.tensor([s.tslot for s in seqs], device=dev)
-            out = self.target(ids, pos, cache=self.cache, rows=rows)
+            out = self._plain_forward(seqs)
         events = []
         with stage(STAGE_ACCEPT):
             for i, s in enumerate(seqs):

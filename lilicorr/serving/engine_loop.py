@@ -111,7 +111,7 @@ class EngineLoop:
         # on_step after a step at most this often, except when a request finished or the active /
         # waiting / failed / cancelled counts changed (0: after every step)
         self.publish_every_s = publish_every_s
-        self._published_at = float("-inf")
+        self._published, self._published_at = None, float("-inf")   # the last published counts, when
         self.timer = timer      # lilicorr.profiling.StageTimer: stage times of every engine step
         self.stop_ids = list(stop_ids) if stop_ids else None
         self.max_active = max_active
@@ -324,7 +324,7 @@ class EngineLoop:
         self.stats.active, self.stats.waiting = len(self._active), len(self._waiting)
         key = (self.stats.steps, self.stats.active, self.stats.waiting, self.stats.requests_failed,
                self.stats.requests_cancelled)
-        last = getattr(self, "_published", None)
+        last = self._published
         if self.on_step is None or (not events and key == last):
             return
         now = time.monotonic()
