@@ -16,7 +16,8 @@
 #             INIT=DIR starts every arm from DIR/smollm2-<arm> (e.g. INIT=checkpoints: the committed
 #             drafters trained on with a fresh schedule, `train.py --init`), a joint arm with no
 #             checkpoint of its own (distill, wd, ...) from DIR/smollm2-lilicorr; LR_DRAFTER / LR_HEAD set
-#             the peak learning rates (default: the preset's).
+#             the peak learning rates (default: the preset's); SEED sets the data order and anchor
+#             draws (`train.py --seed`, default the preset's).
 #   eval      greedy, EVAL_LIMIT prompts x EVAL_TOKENS tokens per suite, EVAL_BATCH concurrent rows;
 #             GREEDY_RULES for the joint arm (default ar,argmax,lilicorr,viterbi).
 #   eval-chat greedy on the general-chat suite (prompts in no training file).
@@ -121,9 +122,10 @@ PY
 train() {
   declare -A flags=([vanilla]=--vanilla [lilicorr]= [nodist]=--no-distractor [margin]=--margin
                     [distill]="--self-distill ${DISTILL:-0.5}" [wd]="--weight-decay-drafter ${WD:-0.1}")
-  local pids=() init=() lr=()
-  [[ -n ${LR_DRAFTER:-} ]] && lr+=(--lr-drafter "$LR_DRAFTER")
-  [[ -n ${LR_HEAD:-} ]] && lr+=(--lr-head "$LR_HEAD")
+  local pids=() init=() opts=()
+  [[ -n ${LR_DRAFTER:-} ]] && opts+=(--lr-drafter "$LR_DRAFTER")
+  [[ -n ${LR_HEAD:-} ]] && opts+=(--lr-head "$LR_HEAD")
+  [[ -n ${SEED:-} ]] && opts+=(--seed "$SEED")
   for arm in $ARMS; do
     if [[ -n ${INIT:-} ]]; then   # an arm with no checkpoint of its own starts from the joint one
       init=(--init "$INIT/smollm2-$arm")
@@ -131,7 +133,7 @@ train() {
     fi
     python train/train.py --preset cpu --target "$T" --data $(data) --features "$W/features" \
       --steps "$STEPS" --num-anchors "$ANCHORS" --global-batch "$BATCH" --draft-vocab "$DRAFT_VOCAB" \
-      --save-every "$SAVE_EVERY" --snapshot-every "$SNAPSHOT_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} "${init[@]}" "${lr[@]}" \
+      --save-every "$SAVE_EVERY" --snapshot-every "$SNAPSHOT_EVERY" --save-dtype bfloat16 --out "$W/ckpt-$arm" ${flags[$arm]} "${init[@]}" "${opts[@]}" \
       >> "$W/train-$arm.log" 2>&1 &
     pids+=($!)
   done

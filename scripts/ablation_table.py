@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""A same-budget training ablation over seeds: the engine's greedy tau of every arm and seed per
+suite, each arm's change against the reference arm seed by seed, and the seed-to-seed spread.
+
+    python scripts/ablation_table.py --runs work/self_distill/seed-42 work/self_distill/seed-7 \\
+        --arms lilicorr distill --base-eval results/cpu_smollm2_v12/eval-lilicorr.json \\
+        results/cpu_smollm2_v12/eval-lilicorr-chat.json --out results/self_distill_ablation/table
+
+Each run folder is one seed of scripts/cpu_experiment.sh's `train` phase: `ckpt-<arm>/` (its
+config.json names the seed, meta.json holds the training history) and the eval JSONs of
+`python -m lilicorr.eval` (`eval-<arm>.json` on the suites, `eval-<arm>-chat.json` on general
+chat). The first arm is the reference. --base-eval: the same evaluations of the checkpoint every arm
+started from. Writes OUT.md, OUT.json and OUT.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from lilicorr.results_io import save_figure, write_report
+
+POOLED = "suites pooled"
+
+
+def suite_taus(paths: list[Path], rule: str) -> dict[str, float]:
+    """{suite: tau of `rule`} over eval JSONs, plus POOLED from a multi-suite JSON's `overall`."""
+    out = {}
+    for path in paths:
+        doc = json.loads(path.read_text())
+        if len(doc["results"]) > 1 and doc.get("overall"):
+            out[POOLED] = doc["overall"][rule]["tau"]
+        for suite, rules in doc["results"].items():
+            out[Path(suite).stem if suite.endswith(".jsonl") else suite] = rules[rule]["tau"]
+    return out
+
+
+def run_of(folder: Path, arm: str, rule: str, last: int) -> dict | str:
+    """One arm of one seed folder: its seed, engine tau per suite, training-batch means of the last
+    `last` steps; or why it is not there yet (a run that has not finished or not been evaluated)."""
+    ckpt = folder / f"ckpt-{arm}"
+    if not (ckpt / "meta.json").is_file():
+        return f"`{ckpt}`: no checkpoint"
+    cfg = json.loads((ckpt / "config.json").read_text())["lilicorr"]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    hist = meta["history"][-last:]
+    if meta["step"] < meta["total_steps"]:
+        return f"`{ckpt}`: step {meta['step']} of {meta['total_steps']}"
+    evals = [folder / f"eval-{arm}.json", folder / f"eval-{arm}-chat.json"]
+    missing = [p.name for p in evals if not p.is_file()]
+    if missing:
+        return f"`{folder}`: no {', '.join(missing)}"
+    return {"arm": arm, "folder": str(folder), "seed": cfg["train"]["seed"], "distill": cfg["loss"]["distill"],
+            "steps": hist[-1]["step"], "tau": suite_taus(evals, rule),
+            "train_tau": statistics.mean(h["tau_lilicorr"] for h in hist),
+            "train_top1": statistics.mean(h["top1_acc"][0] for h in hist)}
+
+
+def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int) -> str:
+    seeds = sorted({r["seed"] for r in runs}, key=[r["seed"] for r in runs].index)
+    at = {(r["arm"], r["seed"]): r for r in runs}
+    ref = arms[0]
+    suites = list(runs[0]["tau"])
+    spread = [a for a in arms if sum((a, s) in at for s in seeds) > 1]      # arms with 2+ seeds
+    paired = [s for s in seeds if (ref, s) in at]
+
+    def tau(a, s, suite):
+        return f"{at[a, s]['tau'][suite]:.3f}" if (a, s) in at else "—"
+
+    head = ["suite", "start"] + [f"{a} seed {s}" for a in arms for s in seeds] \
+        + [f"{a} vs {ref}, seed {s}" for a in arms[1:] for s in paired] + [f"{a} seed spread" for a in spread]
+    out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for suite in suites:
+        cells = [suite, f"{base[suite]:.3f}" if suite in base else "—"]
+        cells += [tau(a, s, suite) for a in arms for s in seeds]
+        cells += [f"{100 * (at[a, s]['tau'][suite] / at[ref, s]['tau'][suite] - 1):+.1f}%" if (a, s) in at else "—"
+                  for a in arms[1:] for s in paired]
+        for a in spread:          # (max - min) / mean over the arm's seeds
+            vals = [at[a, s]["tau"][suite] for s in seeds if (a, s) in at]
+            cells.append(f"{100 * (max(vals) - min(vals)) / statistics.mean(vals):.1f}%")
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", f"Training batches, mean of each run's last {last} steps:", "",
+            "| arm | seed | steps | training-batch tau (walk) | slot-1 top-1 |", "|---|---:|---:|---:|---:|"]
+    out += [f"| {r['arm']} | {r['seed']} | {r['steps']} | {r['train_tau']:.3f} | {r['train_top1']:.3f} |" for r in runs]
+    return "\n".join(out)
+
+
+def plot(runs: list[dict], arms: list[str], base: dict[str, float], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    suites = list(runs[0]["tau"])
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(arms)
+    for j, arm in enumerate(arms):
+        mine = [r for r in runs if r["arm"] == arm]
+        for i, suite in enumerate(suites):
+            x = i + (j - (len(arms) - 1) / 2) * width
+            vals = [r["tau"][suite] for r in mine]
+            ax.bar(x, statistics.mean(vals), width * 0.9, color=f"C{j}", alpha=0.5, label=arm if i == 0 else None)
+            ax.scatter([x] * len(vals), vals, color=f"C{j}", s=12, zorder=3)
+    for i, suite in enumerate(suites):
+        if suite in base:
+            ax.hlines(base[suite], i - 0.45, i + 0.45, colors="k", linestyles="dashed",
+                      label="start" if i == 0 else None)
+    ax.set_xticks(range(len(suites)), suites)
+    lo = min(min(r["tau"].values()) for r in runs)
+    ax.set_ylim(lo - 0.1, None)
+    ax.set_ylabel("engine greedy tau (lilicorr rule)")
+    ax.set_title("arms at the same budget: bars = mean over seeds, dots = seeds")
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", nargs="+", type=Path, required=True, help="one folder per seed")
+    p.add_argument("--arms", nargs="+", required=True, help="arm names; the first is the reference")
+    p.add_argument("--base-eval", nargs="*", type=Path, default=[], help="eval JSONs of the starting checkpoint")
+    p.add_argument("--rule", default="lilicorr")
+    p.add_argument("--last", type=int, default=100, help="training steps averaged per run")
+    p.add_argument("--out", required=True, help="OUT.md / OUT.json / OUT.png")
+    args = p.parse_args(argv)
+    if len(args.arms) < 2:
+        p.error("--arms needs the reference arm and at least one more")
+    found = [run_of(folder, arm, args.rule, args.last) for folder in args.runs for arm in args.arms]
+    runs = [r for r in found if isinstance(r, dict)]
+    absent = [r for r in found if isinstance(r, str)]
+    if not runs:
+        p.error("no finished, evaluated run: " + "; ".join(absent))
+    if len({r["steps"] for r in runs}) > 1:
+        p.error("the runs trained different numbers of steps: " + ", ".join(f"{r['folder']} {r['arm']} {r['steps']}" for r in runs))
+    base = suite_taus(args.base_eval, args.rule) if args.base_eval else {}
+    body = (f"Engine greedy tau of the `{args.rule}` rule per suite; every run {runs[0]['steps']} steps from the same "
+            f"checkpoint; a per-seed change compares arms trained on the same data order, the seed spread "
+            f"is (max - min) / mean over an arm's seeds.\n\n" + tables(runs, args.arms, base, args.last)
+            + "".join(f"\n\nNot in the table: {a}." for a in absent) + "\n\n![tau per arm and seed]({png})\n")
+    print(write_report(args.out, "scripts/ablation_table.py", argv,
+                       "Same-budget ablation over seeds", body,
+                       {"runs": runs, "arms": args.arms, "base": base},
+                       lambda path: plot(runs, args.arms, base, path)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
