@@ -534,12 +534,11 @@ class SpecEngine:
                     self._relax(s)
             dseqs = [seqs[i] for i in d_idx]
             prop = None
-            anchors = torch.tensor([s.anchor for s in seqs], device=dev)
-            apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)
         draft_s = 0.0
         if dseqs:
             sel = torch.tensor(d_idx, device=dev)
-            prop = self._draft(dseqs, anchors[sel], apos[sel])
+            prop = self._draft(dseqs, torch.tensor([s.anchor for s in dseqs], device=dev),
+                               torch.tensor([s.anchor_pos for s in dseqs], device=dev))
             draft_s = time.perf_counter() - t0
             if auto:
                 self.cost.observe_draft(len(d_idx), draft_s)
@@ -572,6 +571,8 @@ class SpecEngine:
             return self._plain_spec_step(seqs, look)
         t = 1 + max(lengths)
         with stage(STAGE_VERIFY):
+            anchors = torch.tensor([s.anchor for s in seqs], device=dev)                  # [N]
+            apos = torch.tensor([s.anchor_pos for s in seqs], device=dev)                 # [N]
             block = torch.zeros(n, t, dtype=torch.long, device=dev)
             block[:, 0] = anchors
             if prop is not None and t > 1:

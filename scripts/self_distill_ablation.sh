@@ -6,7 +6,8 @@
 # a DISTILL share of each slot's CE on the target's own distribution (arm `distill`,
 # `train.py --self-distill`); same data, schedule and learning rates, for each seed in SEEDS (data
 # order and anchor draws). Then the engine's greedy tau of every run on the suites and on general
-# chat, as results/cpu_smollm2_v13/ measured its drafter, and the table:
+# chat (RULES, default the lilicorr walk alone), as results/cpu_smollm2_v13/ measured its drafter,
+# and the table:
 #   bash scripts/self_distill_ablation.sh [data|features|train|eval|table|all]
 # Resumable: the feature store and training resume (scripts/cpu_experiment.sh), an eval JSON that
 # exists is kept. Two processes run at a time per phase, one per core (2 cores).
@@ -15,7 +16,8 @@ cd "$(dirname "$0")/.."
 . .venv/bin/activate
 W=${WORK:-work/self_distill}
 export STEPS=${STEPS:-300} DISTILL=${DISTILL:-0.5}
-SEEDS=${SEEDS:-42 7}
+SEEDS=${SEEDS:-42 7 1}
+RULES=${RULES:-lilicorr}   # the engine rules evaluated (the table reads lilicorr)
 T=.cache/smollm2-135m-instruct-float32
 phase=${1:-all}
 want() { [[ $phase == "$1" || $phase == all ]]; }
@@ -45,10 +47,10 @@ evaluate() {  # folder, arm: suites then chat (eval.py writes each JSON atomical
   local d=$1 arm=$2
   [[ -f $d/eval-$arm.json ]] || python -m lilicorr.eval --target "$T" --limit 40 --max-tokens 128 \
     --batch-size 16 --threads 1 --no-progress --no-plots --ckpt "$d/ckpt-$arm" --dtype fp16-weights \
-    --prompts humaneval,math500,gsm-symbolic --rules argmax,lilicorr --json "$d/eval-$arm.json" > "$d/eval-$arm.log" 2>&1
+    --prompts humaneval,math500,gsm-symbolic --rules "$RULES" --json "$d/eval-$arm.json" > "$d/eval-$arm.log" 2>&1
   [[ -f $d/eval-$arm-chat.json ]] || python -m lilicorr.eval --target "$T" --limit 40 --max-tokens 128 \
     --batch-size 16 --threads 1 --no-progress --no-plots --ckpt "$d/ckpt-$arm" --dtype fp16-weights \
-    --prompts lilicorr/data/chat_first_turn.jsonl --rules argmax,lilicorr --json "$d/eval-$arm-chat.json" \
+    --prompts lilicorr/data/chat_first_turn.jsonl --rules "$RULES" --json "$d/eval-$arm-chat.json" \
     > "$d/eval-$arm-chat.log" 2>&1
 }
 if want eval; then       # the arms of one seed side by side, seed after seed
