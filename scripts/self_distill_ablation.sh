@@ -32,6 +32,7 @@ if want data; then
   ln -sfn "$PWD/checkpoints/smollm2-lilicorr" "$W/init/smollm2-lilicorr"
 fi
 if want features; then   # the bf16 target's features, both cores
+  python train/prepare_target.py --out "$T"
   WORK=$W SEED_DATA= SHARDS=2 DTYPE=bfloat16 bash scripts/cpu_experiment.sh features
 fi
 if want train; then      # per seed a folder sharing the data and features; seed after seed, both
