@@ -37,6 +37,21 @@ def suite_taus(paths: list[Path], rule: str) -> dict[str, float]:
     return out
 
 
+def pooled_stats(path: Path, rule: str) -> dict[str, float]:
+    """`rule`'s figures over a whole eval JSON: `overall` of a multi-suite run, else its one suite."""
+    doc = json.loads(path.read_text())
+    r = doc["overall"][rule] if doc.get("overall") else next(iter(doc["results"].values()))[rule]
+    return {"slot1": r["slot_acceptance"][0], "tau_over_oracle": r["tau_over_oracle"], "wall_s": r["wall_s"]}
+
+
+def train_seconds(folder: Path) -> float | None:
+    """The folder's last `train` phase time (scripts/cpu_experiment.sh's phase-times.tsv), if any."""
+    tsv = folder / "phase-times.tsv"
+    rows = [l.split("\t") for l in tsv.read_text().splitlines()] if tsv.is_file() else []
+    times = [float(r[1]) for r in rows if r[0] == "train"]
+    return times[-1] if times else None
+
+
 def run_of(folder: Path, arm: str, rule: str, last: int) -> dict | str:
     """One arm of one seed folder: its seed, engine tau per suite, training-batch means of the last
     `last` steps; or why it is not there yet (a run that has not finished or not been evaluated)."""
@@ -55,7 +70,9 @@ def run_of(folder: Path, arm: str, rule: str, last: int) -> dict | str:
     return {"arm": arm, "folder": str(folder), "seed": cfg["train"]["seed"], "distill": cfg["loss"]["distill"],
             "steps": hist[-1]["step"], "tau": suite_taus(evals, rule),
             "train_tau": statistics.mean(h["tau_lilicorr"] for h in hist),
-            "train_top1": statistics.mean(h["top1_acc"][0] for h in hist)}
+            "train_top1": statistics.mean(h["top1_acc"][0] for h in hist),
+            "finished": meta["time"], "train_s": train_seconds(folder),
+            "suites": pooled_stats(evals[0], rule), "chat": pooled_stats(evals[1], rule)}
 
 
 def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int) -> str:
@@ -84,6 +101,29 @@ def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int)
     out += ["", f"Training batches, mean of each run's last {last} steps:", "",
             "| arm | seed | steps | training-batch tau (walk) | slot-1 top-1 |", "|---|---:|---:|---:|---:|"]
     out += [f"| {r['arm']} | {r['seed']} | {r['steps']} | {r['train_tau']:.3f} | {r['train_top1']:.3f} |" for r in runs]
+    out += ["", "Per arm, over its seeds: the mean, and the change against the start (lowest to highest seed):",
+            "", "| suite | start | " + " | ".join(f"{a} mean | {a} vs start" for a in arms) + " |",
+            "|---|---:|" + "---:|---:|" * len(arms)]
+    for suite in suites:
+        cells = [suite, f"{base[suite]:.3f}" if suite in base else "—"]
+        for a in arms:
+            vals = [at[a, s]["tau"][suite] for s in seeds if (a, s) in at]
+            cells.append(f"{statistics.mean(vals):.3f}" if vals else "—")
+            cells.append(f"{100 * (min(vals) / base[suite] - 1):+.1f}% to {100 * (max(vals) / base[suite] - 1):+.1f}%"
+                         if vals and suite in base else "—")
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "Per run: slot-1 acceptance and tau / oracle of the engine (suites pooled, chat), the "
+            "training phase's wall (both arms of a seed side by side), how long after the reference arm "
+            "of its seed the run finished, and the evaluation wall:", "",
+            "| arm | seed | slot-1 acceptance, suites / chat | tau / oracle, suites / chat | training phase s "
+            f"| finished after {ref} s | eval wall s, suites / chat |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in runs:
+        after = f"{r['finished'] - at[ref, r['seed']]['finished']:.0f}" if (ref, r["seed"]) in at else "—"
+        train_s = f"{r['train_s']:.0f}" if r["train_s"] is not None else "—"
+        su, ch = r["suites"], r["chat"]
+        out.append(f"| {r['arm']} | {r['seed']} | {su['slot1']:.3f} / {ch['slot1']:.3f} | "
+                   f"{su['tau_over_oracle']:.3f} / {ch['tau_over_oracle']:.3f} | {train_s} | {after} | "
+                   f"{su['wall_s']:.0f} / {ch['wall_s']:.0f} |")
     return "\n".join(out)
 
 
