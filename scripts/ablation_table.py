@@ -25,11 +25,21 @@ from lilicorr.results_io import save_figure, write_report
 POOLED = "suites pooled"
 
 
-def suite_taus(paths: list[Path], rule: str) -> dict[str, float]:
+def load(paths: list[Path]) -> list[dict]:
+    return [json.loads(path.read_text()) for path in paths]
+
+
+def pooled(doc: dict, rule: str) -> dict:
+    """`rule`'s entry over a whole eval JSON: `overall` of a multi-suite run, else its one suite."""
+    if len(doc["results"]) > 1 and doc.get("overall"):
+        return doc["overall"][rule]
+    return next(iter(doc["results"].values()))[rule]
+
+
+def suite_taus(docs: list[dict], rule: str) -> dict[str, float]:
     """{suite: tau of `rule`} over eval JSONs, plus POOLED from a multi-suite JSON's `overall`."""
     out = {}
-    for path in paths:
-        doc = json.loads(path.read_text())
+    for doc in docs:
         if len(doc["results"]) > 1 and doc.get("overall"):
             out[POOLED] = doc["overall"][rule]["tau"]
         for suite, rules in doc["results"].items():
@@ -37,10 +47,8 @@ def suite_taus(paths: list[Path], rule: str) -> dict[str, float]:
     return out
 
 
-def pooled_stats(path: Path, rule: str) -> dict[str, float]:
-    """`rule`'s figures over a whole eval JSON: `overall` of a multi-suite run, else its one suite."""
-    doc = json.loads(path.read_text())
-    r = doc["overall"][rule] if doc.get("overall") else next(iter(doc["results"].values()))[rule]
+def pooled_stats(doc: dict, rule: str) -> dict[str, float]:
+    r = pooled(doc, rule)
     return {"slot1": r["slot_acceptance"][0], "tau_over_oracle": r["tau_over_oracle"], "wall_s": r["wall_s"]}
 
 
@@ -67,12 +75,13 @@ def run_of(folder: Path, arm: str, rule: str, last: int) -> dict | str:
     missing = [p.name for p in evals if not p.is_file()]
     if missing:
         return f"`{folder}`: no {', '.join(missing)}"
+    docs = load(evals)
     return {"arm": arm, "folder": str(folder), "seed": cfg["train"]["seed"], "distill": cfg["loss"]["distill"],
-            "steps": hist[-1]["step"], "tau": suite_taus(evals, rule),
+            "steps": hist[-1]["step"], "tau": suite_taus(docs, rule),
             "train_tau": statistics.mean(h["tau_lilicorr"] for h in hist),
             "train_top1": statistics.mean(h["top1_acc"][0] for h in hist),
             "finished": meta["time"], "train_s": train_seconds(folder),
-            "suites": pooled_stats(evals[0], rule), "chat": pooled_stats(evals[1], rule)}
+            "suites": pooled_stats(docs[0], rule), "chat": pooled_stats(docs[1], rule)}
 
 
 def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int) -> str:
@@ -173,7 +182,7 @@ def main(argv=None) -> int:
         p.error("no finished, evaluated run: " + "; ".join(absent))
     if len({r["steps"] for r in runs}) > 1:
         p.error("the runs trained different numbers of steps: " + ", ".join(f"{r['folder']} {r['arm']} {r['steps']}" for r in runs))
-    base = suite_taus(args.base_eval, args.rule) if args.base_eval else {}
+    base = suite_taus(load(args.base_eval), args.rule) if args.base_eval else {}
     body = (f"Engine greedy tau of the `{args.rule}` rule per suite; every run {runs[0]['steps']} steps from the same "
             f"checkpoint; a per-seed change compares arms trained on the same data order, the seed spread "
             f"is (max - min) / mean over an arm's seeds.\n\n" + tables(runs, args.arms, base, args.last)
