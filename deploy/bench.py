@@ -22,7 +22,8 @@ from pathlib import Path
 from lilicorr.config import DEFAULT_TREE_NODES
 from lilicorr.data.suites import load_prompts
 from lilicorr.serving.benchmark import (add_comparisons, markdown_table, plot_speedup, request_kwargs,
-                                        run_cell, scrape_metrics, stage_delta, summarize_cell)
+                                        run_cell, scrape_metrics, settled_metrics, stage_delta,
+                                        summarize_cell)
 from lilicorr.serving.client import GenerationError, LiLiCorrClient
 
 
@@ -115,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                     run["results"] += results
                     run["wall"] += part["wall_s"]
                     if args.profile:                  # this pass's metric increments, summed over passes
-                        for k, v in scrape_metrics(metrics_url).items():
+                        for k, v in settled_metrics(metrics_url, before, len(results)).items():
                             run["metrics"][k] = run["metrics"].get(k, 0.0) + v - before.get(k, 0.0)
             for rule in rules:
                 run = runs[rule]

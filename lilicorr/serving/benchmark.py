@@ -159,6 +159,23 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
     return out
 
 
+_REQUESTS_ENDED = ("lilicorr_requests_completed", "lilicorr_requests_failed", "lilicorr_requests_cancelled")
+
+
+def settled_metrics(url: str, before: dict[str, float], requests: int, timeout: float = 5.0) -> dict[str, float]:
+    """The closing scrape of a pass of `requests` requests: the server publishes a step's metrics
+    after it has sent that step's responses, so scrape until its ended-request counters have risen by
+    `requests` since `before` (the step that ended the last one is then counted), or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while True:
+        after = scrape_metrics(url)
+        ended = [k for k in after if k.startswith(_REQUESTS_ENDED)]
+        if not ended or sum(after[k] - before.get(k, 0.0) for k in ended) >= requests \
+                or time.monotonic() > deadline:
+            return after
+        time.sleep(0.02)
+
+
 def stage_delta(before: dict[str, float], after: dict[str, float]) -> dict | None:
     """Table 3 decomposition (ms per block) of what the engine did between two scrapes."""
     from lilicorr.profiling import STAGES
