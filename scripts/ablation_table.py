@@ -9,8 +9,11 @@ suite, each arm's change against the reference arm seed by seed, and the seed-to
 Each run folder is one seed of scripts/cpu_experiment.sh's `train` phase: `ckpt-<arm>/` (its
 config.json names the seed, meta.json holds the training history) and the eval JSONs of
 `python -m lilicorr.eval` (`eval-<arm>.json` on the suites, `eval-<arm>-chat.json` on general
-chat). The first arm is the reference. --base-eval: the same evaluations of the checkpoint every arm
-started from. Writes OUT.md, OUT.json and OUT.png.
+chat). An arm is `NAME` (read with --rule) or `NAME:RULE` (that run's evaluation of one rule, e.g.
+`vanilla:argmax`, or `lilicorr:argmax` beside `lilicorr` for the walk against argmax on one drafter).
+The first arm is the reference. --base-eval: the same evaluations of the checkpoints the arms started
+from, `PATH` for every arm or `NAME=PATH` for the arms of that name. Writes OUT.md, OUT.json and
+OUT.png.
 """
 from __future__ import annotations
 
@@ -60,9 +63,16 @@ def train_seconds(folder: Path) -> float | None:
     return times[-1] if times else None
 
 
-def run_of(folder: Path, arm: str, rule: str, last: int) -> dict | str:
+def arm_spec(spec: str, default_rule: str) -> tuple[str, str, str]:
+    """`NAME` or `NAME:RULE` -> (label, checkpoint name, rule)."""
+    name, _, rule = spec.partition(":")
+    return (f"{name} ({rule})" if rule else name), name, rule or default_rule
+
+
+def run_of(folder: Path, spec: str, default_rule: str, last: int) -> dict | str:
     """One arm of one seed folder: its seed, engine tau per suite, training-batch means of the last
     `last` steps; or why it is not there yet (a run that has not finished or not been evaluated)."""
+    label, arm, rule = arm_spec(spec, default_rule)
     ckpt = folder / f"ckpt-{arm}"
     if not (ckpt / "meta.json").is_file():
         return f"`{ckpt}`: no checkpoint"
@@ -76,15 +86,29 @@ def run_of(folder: Path, arm: str, rule: str, last: int) -> dict | str:
     if missing:
         return f"`{folder}`: no {', '.join(missing)}"
     docs = load(evals)
-    return {"arm": arm, "folder": str(folder), "seed": cfg["train"]["seed"], "distill": cfg["loss"]["distill"],
-            "steps": hist[-1]["step"], "tau": suite_taus(docs, rule),
-            "train_tau": statistics.mean(h["tau_lilicorr"] for h in hist),
+    if any(rule not in rules for doc in docs for rules in doc["results"].values()):
+        return f"`{folder}`: eval-{arm}*.json has no `{rule}` rule"
+    return {"arm": label, "rule": rule, "folder": str(folder), "seed": cfg["train"]["seed"],
+            "distill": cfg["loss"]["distill"], "steps": hist[-1]["step"], "tau": suite_taus(docs, rule),
+            "train_tau": statistics.mean(h[f"tau_{rule}"] for h in hist) if f"tau_{rule}" in hist[-1] else None,
             "train_top1": statistics.mean(h["top1_acc"][0] for h in hist),
             "finished": meta["time"], "train_s": train_seconds(folder),
             "suites": pooled_stats(docs[0], rule), "chat": pooled_stats(docs[1], rule)}
 
 
-def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int) -> str:
+def starts(paths: list[str], specs: list[str], default_rule: str) -> dict[str, dict[str, float]]:
+    """{arm label: {suite: tau of its rule}} from --base-eval's `PATH` (every arm) and `NAME=PATH`
+    (the arms of checkpoint NAME) entries; an arm with no start is left out."""
+    out = {}
+    for spec in specs:
+        label, name, rule = arm_spec(spec, default_rule)
+        mine = [p.partition("=")[2] if "=" in p else p for p in paths if "=" not in p or p.partition("=")[0] == name]
+        if mine:
+            out[label] = suite_taus(load([Path(p) for p in mine]), rule)
+    return out
+
+
+def tables(runs: list[dict], arms: list[str], bases: dict[str, dict[str, float]], last: int) -> str:
     seeds = sorted({r["seed"] for r in runs}, key=[r["seed"] for r in runs].index)
     at = {(r["arm"], r["seed"]): r for r in runs}
     ref = arms[0]
@@ -95,11 +119,20 @@ def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int)
     def tau(a, s, suite):
         return f"{at[a, s]['tau'][suite]:.3f}" if (a, s) in at else "—"
 
-    head = ["suite", "start"] + [f"{a} seed {s}" for a in arms for s in seeds] \
+    # one start column when every arm started from the same evaluation, else one per arm
+    shared = len({json.dumps(b, sort_keys=True) for b in bases.values()}) <= 1 and len(bases) in (0, len(arms))
+    start_cols = ["start"] if shared else [f"{a} start" for a in arms if a in bases]
+    base_of = {a: bases.get(a, {}) for a in arms}
+
+    def start_cells(suite):
+        cols = [next(iter(bases.values()), {})] if shared else [base_of[a] for a in arms if a in bases]
+        return [f"{b[suite]:.3f}" if suite in b else "—" for b in cols]
+
+    head = ["suite", *start_cols] + [f"{a} seed {s}" for a in arms for s in seeds] \
         + [f"{a} vs {ref}, seed {s}" for a in arms[1:] for s in paired] + [f"{a} seed spread" for a in spread]
     out = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for suite in suites:
-        cells = [suite, f"{base[suite]:.3f}" if suite in base else "—"]
+        cells = [suite, *start_cells(suite)]
         cells += [tau(a, s, suite) for a in arms for s in seeds]
         cells += [f"{100 * (at[a, s]['tau'][suite] / at[ref, s]['tau'][suite] - 1):+.1f}%" if (a, s) in at else "—"
                   for a in arms[1:] for s in paired]
@@ -108,18 +141,20 @@ def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int)
             cells.append(f"{100 * (max(vals) - min(vals)) / statistics.mean(vals):.1f}%")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", f"Training batches, mean of each run's last {last} steps:", "",
-            "| arm | seed | steps | training-batch tau (walk) | slot-1 top-1 |", "|---|---:|---:|---:|---:|"]
-    out += [f"| {r['arm']} | {r['seed']} | {r['steps']} | {r['train_tau']:.3f} | {r['train_top1']:.3f} |" for r in runs]
-    out += ["", "Per arm, over its seeds: the mean, and the change against the start (lowest to highest seed):",
-            "", "| suite | start | " + " | ".join(f"{a} mean | {a} vs start" for a in arms) + " |",
-            "|---|---:|" + "---:|---:|" * len(arms)]
+            "| arm | seed | steps | training-batch tau (the arm's rule) | slot-1 top-1 |", "|---|---:|---:|---:|---:|"]
+    out += [f"| {r['arm']} | {r['seed']} | {r['steps']} | "
+            f"{'—' if r['train_tau'] is None else format(r['train_tau'], '.3f')} | {r['train_top1']:.3f} |" for r in runs]
+    out += ["", "Per arm, over its seeds: the mean, and the change against its start (lowest to highest seed):",
+            "", f"| suite | {' | '.join(start_cols)} | " + " | ".join(f"{a} mean | {a} vs start" for a in arms) + " |",
+            "|---|" + "---:|" * len(start_cols) + "---:|---:|" * len(arms)]
     for suite in suites:
-        cells = [suite, f"{base[suite]:.3f}" if suite in base else "—"]
+        cells = [suite, *start_cells(suite)]
         for a in arms:
             vals = [at[a, s]["tau"][suite] for s in seeds if (a, s) in at]
+            b = base_of[a]
             cells.append(f"{statistics.mean(vals):.3f}" if vals else "—")
-            cells.append(f"{100 * (min(vals) / base[suite] - 1):+.1f}% to {100 * (max(vals) / base[suite] - 1):+.1f}%"
-                         if vals and suite in base else "—")
+            cells.append(f"{100 * (min(vals) / b[suite] - 1):+.1f}% to {100 * (max(vals) / b[suite] - 1):+.1f}%"
+                         if vals and suite in b else "—")
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Per run: slot-1 acceptance and tau / oracle of the engine (suites pooled, chat), the "
             "training phase's wall (both arms of a seed side by side), how long after the reference arm "
@@ -136,7 +171,7 @@ def tables(runs: list[dict], arms: list[str], base: dict[str, float], last: int)
     return "\n".join(out)
 
 
-def plot(runs: list[dict], arms: list[str], base: dict[str, float], path: Path) -> None:
+def plot(runs: list[dict], arms: list[str], bases: dict[str, dict[str, float]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -151,14 +186,16 @@ def plot(runs: list[dict], arms: list[str], base: dict[str, float], path: Path) 
             vals = [r["tau"][suite] for r in mine]
             ax.bar(x, statistics.mean(vals), width * 0.9, color=f"C{j}", alpha=0.5, label=arm if i == 0 else None)
             ax.scatter([x] * len(vals), vals, color=f"C{j}", s=12, zorder=3)
-    for i, suite in enumerate(suites):
-        if suite in base:
-            ax.hlines(base[suite], i - 0.45, i + 0.45, colors="k", linestyles="dashed",
-                      label="start" if i == 0 else None)
+        for i, suite in enumerate(suites):     # the arm's start, over its bar
+            if suite in bases.get(arm, {}):
+                x = i + (j - (len(arms) - 1) / 2) * width
+                ax.hlines(bases[arm][suite], x - width * 0.45, x + width * 0.45, colors="k",
+                          linestyles="dashed", label="start" if i == 0 and j == min(
+                              k for k, a in enumerate(arms) if a in bases) else None)
     ax.set_xticks(range(len(suites)), suites)
     lo = min(min(r["tau"].values()) for r in runs)
     ax.set_ylim(lo - 0.1, None)
-    ax.set_ylabel("engine greedy tau (lilicorr rule)")
+    ax.set_ylabel("engine greedy tau")
     ax.set_title("arms at the same budget: bars = mean over seeds, dots = seeds")
     ax.legend(fontsize=8)
     save_figure(fig, path)
@@ -168,8 +205,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", nargs="+", type=Path, required=True, help="one folder per seed")
     p.add_argument("--arms", nargs="+", required=True, help="arm names; the first is the reference")
-    p.add_argument("--base-eval", nargs="*", type=Path, default=[], help="eval JSONs of the starting checkpoint")
-    p.add_argument("--rule", default="lilicorr")
+    p.add_argument("--base-eval", nargs="*", default=[], metavar="[NAME=]PATH",
+                   help="eval JSONs of the starting checkpoints: PATH for every arm, NAME=PATH for arm NAME")
+    p.add_argument("--rule", default="lilicorr", help="the rule an arm given as NAME is read with")
     p.add_argument("--last", type=int, default=100, help="training steps averaged per run")
     p.add_argument("--out", required=True, help="OUT.md / OUT.json / OUT.png")
     args = p.parse_args(argv)
@@ -182,15 +220,22 @@ def main(argv=None) -> int:
         p.error("no finished, evaluated run: " + "; ".join(absent))
     if len({r["steps"] for r in runs}) > 1:
         p.error("the runs trained different numbers of steps: " + ", ".join(f"{r['folder']} {r['arm']} {r['steps']}" for r in runs))
-    base = suite_taus(load(args.base_eval), args.rule) if args.base_eval else {}
-    body = (f"Engine greedy tau of the `{args.rule}` rule per suite; every run {runs[0]['steps']} steps from the same "
-            f"checkpoint; a per-seed change compares arms trained on the same data order, the seed spread "
-            f"is (max - min) / mean over an arm's seeds.\n\n" + tables(runs, args.arms, base, args.last)
+    labels = [arm_spec(a, args.rule)[0] for a in args.arms]
+    labels = [a for a in labels if any(r["arm"] == a for r in runs)]   # arms with a run to show
+    if labels[0] != arm_spec(args.arms[0], args.rule)[0]:
+        p.error(f"the reference arm {args.arms[0]} has no finished, evaluated run: " + "; ".join(absent))
+    bases = starts(args.base_eval, args.arms, args.rule)
+    rules = {r["arm"]: r["rule"] for r in runs}
+    body = (f"Engine greedy tau per suite, each arm read with its rule ("
+            + ", ".join(f"{a}: `{rules[a]}`" for a in labels if a in rules)
+            + f"); every run {runs[0]['steps']} steps from its start; a per-seed change compares arms trained on "
+            f"the same data order, the seed spread is (max - min) / mean over an arm's seeds.\n\n"
+            + tables(runs, labels, bases, args.last)
             + "".join(f"\n\nNot in the table: {a}." for a in absent) + "\n\n![tau per arm and seed]({png})\n")
     print(write_report(args.out, "scripts/ablation_table.py", argv,
                        "Same-budget ablation over seeds", body,
-                       {"runs": runs, "arms": args.arms, "base": base},
-                       lambda path: plot(runs, args.arms, base, path)))
+                       {"runs": runs, "arms": labels, "base": bases},
+                       lambda path: plot(runs, labels, bases, path)))
     return 0
 
 

@@ -6,8 +6,8 @@
 # a DISTILL share of each slot's CE on the target's own distribution (arm `distill`,
 # `train.py --self-distill`); same data, schedule and learning rates, for each seed in SEEDS (data
 # order and anchor draws). Then the engine's greedy tau of every run on the suites and on general
-# chat (RULES, default the lilicorr walk alone), as results/cpu_smollm2_v13/ measured its drafter,
-# and the table:
+# chat (RULES, default the lilicorr walk alone; scripts/engine_eval.sh), as results/cpu_smollm2_v13/
+# measured its drafter, and the table:
 #   bash scripts/self_distill_ablation.sh [data|features|train|eval|table|all]
 # Resumable: the feature store and training resume (scripts/cpu_experiment.sh), an eval JSON that
 # exists is kept. Two processes run at a time per phase, one per core (2 cores).
@@ -44,20 +44,12 @@ if want train; then      # per seed a folder sharing the data and features; seed
       LR_DRAFTER=3e-4 LR_HEAD=1.5e-4 SNAPSHOT_EVERY=1000 THREADS=1 bash scripts/cpu_experiment.sh train
   done
 fi
-evaluate() {  # folder, arm: suites then chat (eval.py writes each JSON atomically)
-  local d=$1 arm=$2
-  [[ -f $d/eval-$arm.json ]] || python -m lilicorr.eval --target "$T" --limit 40 --max-tokens 128 \
-    --batch-size 16 --threads 1 --no-progress --no-plots --ckpt "$d/ckpt-$arm" --dtype fp16-weights \
-    --prompts humaneval,math500,gsm-symbolic --rules "$RULES" --json "$d/eval-$arm.json" > "$d/eval-$arm.log" 2>&1
-  [[ -f $d/eval-$arm-chat.json ]] || python -m lilicorr.eval --target "$T" --limit 40 --max-tokens 128 \
-    --batch-size 16 --threads 1 --no-progress --no-plots --ckpt "$d/ckpt-$arm" --dtype fp16-weights \
-    --prompts lilicorr/data/chat_first_turn.jsonl --rules "$RULES" --json "$d/eval-$arm-chat.json" \
-    > "$d/eval-$arm-chat.log" 2>&1
-}
 if want eval; then       # the arms of one seed side by side, seed after seed
   for seed in $SEEDS; do
     pids=()
-    for arm in lilicorr distill; do evaluate "$W/seed-$seed" "$arm" & pids+=($!); done
+    for arm in lilicorr distill; do
+      bash scripts/engine_eval.sh "$W/seed-$seed/ckpt-$arm" "$W/seed-$seed/eval-$arm" "$RULES" & pids+=($!)
+    done
     wait_all "${pids[@]}"
   done
 fi
