@@ -50,9 +50,10 @@ def suite_taus(docs: list[dict], rule: str) -> dict[str, float]:
     return out
 
 
-def pooled_stats(doc: dict, rule: str) -> dict[str, float]:
+def pooled_stats(doc: dict, rule: str) -> dict:
     r = pooled(doc, rule)
-    return {"slot1": r["slot_acceptance"][0], "tau_over_oracle": r["tau_over_oracle"], "wall_s": r["wall_s"]}
+    return {"slot1": r["slot_acceptance"][0], "slots": r["slot_acceptance"], "tau_over_oracle": r["tau_over_oracle"],
+            "wall_s": r["wall_s"]}
 
 
 def train_seconds(folder: Path) -> float | None:
@@ -168,6 +169,20 @@ def tables(runs: list[dict], arms: list[str], bases: dict[str, dict[str, float]]
         out.append(f"| {r['arm']} | {r['seed']} | {su['slot1']:.3f} / {ch['slot1']:.3f} | "
                    f"{su['tau_over_oracle']:.3f} / {ch['tau_over_oracle']:.3f} | {train_s} | {after} | "
                    f"{su['wall_s']:.0f} / {ch['wall_s']:.0f} |")
+    out += ["", "Where the tokens are won or lost, per arm over its seeds (mean): the conditional acceptance at each "
+            "drafted slot (accepted where the slot was verified), and tau / oracle:", ""]
+    n_slots = max(len(r["suites"]["slots"]) for r in runs)
+    out += ["| arm | prompts | " + " | ".join(f"slot {j + 1}" for j in range(n_slots)) + " | tau / oracle |",
+            "|---|---|" + "---:|" * (n_slots + 1)]
+    for a in arms:
+        mine = [at[a, s] for s in seeds if (a, s) in at]
+        for key, name in (("suites", "suites pooled"), ("chat", "chat")):
+            cells = []
+            for j in range(n_slots):
+                vals = [r[key]["slots"][j] for r in mine if j < len(r[key]["slots"]) and r[key]["slots"][j] is not None]
+                cells.append(f"{statistics.mean(vals):.3f}" if vals else "—")
+            ratio = statistics.mean(r[key]["tau_over_oracle"] for r in mine)
+            out.append(f"| {a} | {name} | " + " | ".join(cells) + f" | {ratio:.3f} |")
     return "\n".join(out)
 
 
@@ -220,11 +235,14 @@ def main(argv=None) -> int:
         p.error("no finished, evaluated run: " + "; ".join(absent))
     if len({r["steps"] for r in runs}) > 1:
         p.error("the runs trained different numbers of steps: " + ", ".join(f"{r['folder']} {r['arm']} {r['steps']}" for r in runs))
-    labels = [arm_spec(a, args.rule)[0] for a in args.arms]
-    labels = [a for a in labels if any(r["arm"] == a for r in runs)]   # arms with a run to show
-    if labels[0] != arm_spec(args.arms[0], args.rule)[0]:
+    shown = [a for a in args.arms if any(r["arm"] == arm_spec(a, args.rule)[0] for r in runs)]  # arms with a run
+    if shown[0] != args.arms[0]:
         p.error(f"the reference arm {args.arms[0]} has no finished, evaluated run: " + "; ".join(absent))
-    bases = starts(args.base_eval, args.arms, args.rule)
+    labels = [arm_spec(a, args.rule)[0] for a in shown]
+    try:
+        bases = starts(args.base_eval, shown, args.rule)
+    except KeyError as e:
+        p.error(f"a --base-eval file has no {e} rule for an arm that starts from it")
     rules = {r["arm"]: r["rule"] for r in runs}
     body = (f"Engine greedy tau per suite, each arm read with its rule ("
             + ", ".join(f"{a}: `{rules[a]}`" for a in labels if a in rules)

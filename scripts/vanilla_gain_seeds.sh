@@ -60,5 +60,5 @@ if want table; then
     lilicorr="$W/start/eval-lilicorr-chat.json" vanilla="$W/start/eval-vanilla.json" \
     vanilla="$W/start/eval-vanilla-chat.json")
   python scripts/ablation_table.py --runs $(for s in $SEEDS; do echo "$W/seed-$s"; done) \
-    --arms lilicorr vanilla:argmax lilicorr:argmax "${base[@]}" --out "${OUT:-results/vanilla_gain_seeds/table}"
+    --arms vanilla:argmax lilicorr lilicorr:argmax "${base[@]}" --out "${OUT:-results/vanilla_gain_seeds/table}"
 fi

@@ -65,3 +65,42 @@ def test_ablation_table_figures_come_from_the_runs(tmp_path):
     meta.write_text(json.dumps(m))
     r = _table(tmp_path, runs)
     assert r.returncode == 2 and "different numbers of steps" in r.stderr
+
+
+GAIN = REPO / "results" / "vanilla_gain_seeds"
+
+
+def _row(md: str, first: str) -> list[str]:
+    line = next(l for l in md.splitlines() if l.startswith(f"| {first} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_arms_read_with_their_rules_from_their_starts(tmp_path):
+    """The committed LiLiCorr-against-vanilla runs: an arm NAME:RULE is that run's RULE, each arm's
+    start is its own checkpoint's evaluation, and an arm whose evaluation lacks the rule is named."""
+    runs = [tmp_path / f"seed-{s}" for s in SEEDS]
+    for s, run in zip(SEEDS, runs):
+        shutil.copytree(GAIN / f"seed-{s}", run)
+    start = GAIN / "start"
+    cmd = [sys.executable, str(REPO / "scripts" / "ablation_table.py"), "--runs", *map(str, runs),
+           "--arms", "vanilla:argmax", "lilicorr", "lilicorr:argmax", "vanilla:lilicorr", "--base-eval",
+           *(f"{arm}={start / f'eval-{arm}{chat}.json'}" for arm in ("vanilla", "lilicorr") for chat in ("", "-chat")),
+           "--out", str(tmp_path / "t")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    md = (tmp_path / "t.md").read_text()
+    tau = lambda path, rule: json.loads(path.read_text())["overall"][rule]["tau"]
+    cells = _row(md, "suites pooled")
+    assert cells[1:4] == [f"{tau(start / 'eval-vanilla.json', 'argmax'):.3f}",       # each arm's start
+                          f"{tau(start / 'eval-lilicorr.json', 'lilicorr'):.3f}",
+                          f"{tau(start / 'eval-lilicorr.json', 'argmax'):.3f}"]
+    van = [tau(run / "eval-vanilla.json", "argmax") for run in runs]
+    walk = [tau(run / "eval-lilicorr.json", "lilicorr") for run in runs]
+    arg = [tau(run / "eval-lilicorr.json", "argmax") for run in runs]
+    assert cells[4:13] == [f"{v:.3f}" for v in van + walk + arg]
+    assert cells[13:16] == [f"{100 * (w / v - 1):+.1f}%" for w, v in zip(walk, van)]   # the gain per seed
+    assert cells[16:19] == [f"{100 * (a / v - 1):+.1f}%" for a, v in zip(arg, van)]
+    assert f"eval-vanilla*.json has no `lilicorr` rule" in md                           # named, not tabulated
+    assert "vanilla (lilicorr)" not in md.split("Not in the table")[0]
+    assert {x["arm"] for x in json.loads((tmp_path / "t.json").read_text())["runs"]} == {
+        "vanilla (argmax)", "lilicorr", "lilicorr (argmax)"}
