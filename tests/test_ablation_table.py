@@ -100,7 +100,7 @@ def test_arms_read_with_their_rules_from_their_starts(tmp_path):
     assert cells[4:13] == [f"{v:.3f}" for v in van + walk + arg]
     assert cells[13:16] == [f"{100 * (w / v - 1):+.1f}%" for w, v in zip(walk, van)]   # the gain per seed
     assert cells[16:19] == [f"{100 * (a / v - 1):+.1f}%" for a, v in zip(arg, van)]
-    assert f"eval-vanilla*.json has no `lilicorr` rule" in md                           # named, not tabulated
+    assert "eval-vanilla*.json has no `lilicorr` rule" in md                           # named, not tabulated
     assert "vanilla (lilicorr)" not in md.split("Not in the table")[0]
     assert {x["arm"] for x in json.loads((tmp_path / "t.json").read_text())["runs"]} == {
         "vanilla (argmax)", "lilicorr", "lilicorr (argmax)"}
