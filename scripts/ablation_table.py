@@ -52,8 +52,8 @@ def suite_taus(docs: list[dict], rule: str) -> dict[str, float]:
 
 def pooled_stats(doc: dict, rule: str) -> dict:
     r = pooled(doc, rule)
-    return {"slot1": r["slot_acceptance"][0], "slots": r["slot_acceptance"], "tau_over_oracle": r["tau_over_oracle"],
-            "wall_s": r["wall_s"]}
+    return {"slot1": r["slot_acceptance"][0], "slot_accepted": r["slot_accepted"], "slot_reached": r["slot_reached"],
+            "tau_over_oracle": r["tau_over_oracle"], "wall_s": r["wall_s"]}
 
 
 def train_seconds(folder: Path) -> float | None:
@@ -100,12 +100,14 @@ def run_of(folder: Path, spec: str, default_rule: str, last: int) -> dict | str:
 def starts(paths: list[str], specs: list[str], default_rule: str) -> dict[str, dict[str, float]]:
     """{arm label: {suite: tau of its rule}} from --base-eval's `PATH` (every arm) and `NAME=PATH`
     (the arms of checkpoint NAME) entries; an arm with no start is left out."""
+    entries = [(p.partition("=")[0], p.partition("=")[2]) if "=" in p else (None, p) for p in paths]
+    docs = dict(zip([path for _, path in entries], load([Path(path) for _, path in entries])))
     out = {}
     for spec in specs:
         label, name, rule = arm_spec(spec, default_rule)
-        mine = [p.partition("=")[2] if "=" in p else p for p in paths if "=" not in p or p.partition("=")[0] == name]
+        mine = [docs[path] for who, path in entries if who in (None, name)]
         if mine:
-            out[label] = suite_taus(load([Path(p) for p in mine]), rule)
+            out[label] = suite_taus(mine, rule)
     return out
 
 
@@ -169,9 +171,10 @@ def tables(runs: list[dict], arms: list[str], bases: dict[str, dict[str, float]]
         out.append(f"| {r['arm']} | {r['seed']} | {su['slot1']:.3f} / {ch['slot1']:.3f} | "
                    f"{su['tau_over_oracle']:.3f} / {ch['tau_over_oracle']:.3f} | {train_s} | {after} | "
                    f"{su['wall_s']:.0f} / {ch['wall_s']:.0f} |")
-    out += ["", "Where the tokens are won or lost, per arm over its seeds (mean): the conditional acceptance at each "
-            "drafted slot (accepted where the slot was verified), and tau / oracle:", ""]
-    n_slots = max(len(r["suites"]["slots"]) for r in runs)
+    out += ["", "Where the tokens are won or lost, per arm over its seeds: the conditional acceptance at each drafted "
+            "slot (accepted / verified, both summed over the seeds; the times verified in brackets), and tau / "
+            "oracle (mean):", ""]
+    n_slots = max(len(r["suites"]["slot_reached"]) for r in runs)
     out += ["| arm | prompts | " + " | ".join(f"slot {j + 1}" for j in range(n_slots)) + " | tau / oracle |",
             "|---|---|" + "---:|" * (n_slots + 1)]
     for a in arms:
@@ -179,8 +182,9 @@ def tables(runs: list[dict], arms: list[str], bases: dict[str, dict[str, float]]
         for key, name in (("suites", "suites pooled"), ("chat", "chat")):
             cells = []
             for j in range(n_slots):
-                vals = [r[key]["slots"][j] for r in mine if j < len(r[key]["slots"]) and r[key]["slots"][j] is not None]
-                cells.append(f"{statistics.mean(vals):.3f}" if vals else "—")
+                acc = sum(r[key]["slot_accepted"][j] for r in mine if j < len(r[key]["slot_accepted"]))
+                seen = sum(r[key]["slot_reached"][j] for r in mine if j < len(r[key]["slot_reached"]))
+                cells.append(f"{acc / seen:.3f} ({seen})" if seen else "— (0)")
             ratio = statistics.mean(r[key]["tau_over_oracle"] for r in mine)
             out.append(f"| {a} | {name} | " + " | ".join(cells) + f" | {ratio:.3f} |")
     return "\n".join(out)

@@ -11,7 +11,8 @@
 #          ablation), and the start weights from git
 #   runs   seed after seed: both arms' training side by side, then both arms' evaluation
 #   start  the same evaluation of the start weights
-#   table  scripts/ablation_table.py over the seeds
+#   table  scripts/ablation_table.py over the seeds: every arm against vanilla (OUT), the walk against
+#          argmax on the joint drafter (OUT-walk)
 # Resumable: training resumes (scripts/cpu_experiment.sh), an eval JSON that exists is kept.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +60,9 @@ if want table; then
   [[ -f $W/start/eval-lilicorr-chat.json ]] && base+=(--base-eval lilicorr="$W/start/eval-lilicorr.json" \
     lilicorr="$W/start/eval-lilicorr-chat.json" vanilla="$W/start/eval-vanilla.json" \
     vanilla="$W/start/eval-vanilla-chat.json")
-  python scripts/ablation_table.py --runs $(for s in $SEEDS; do echo "$W/seed-$s"; done) \
-    --arms vanilla:argmax lilicorr lilicorr:argmax "${base[@]}" --out "${OUT:-results/vanilla_gain_seeds/table}"
+  runs=$(for s in $SEEDS; do echo "$W/seed-$s"; done)
+  out=${OUT:-results/vanilla_gain_seeds/table}
+  python scripts/ablation_table.py --runs $runs --arms vanilla:argmax lilicorr lilicorr:argmax "${base[@]}" --out "$out"
+  # the walk against argmax on the same joint drafter, seed by seed
+  python scripts/ablation_table.py --runs $runs --arms lilicorr:argmax lilicorr "${base[@]}" --out "$out-walk"
 fi
