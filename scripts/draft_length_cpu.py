@@ -6,6 +6,12 @@ of `lilicorr` beside `ar`, greedy, through the same evaluation code as `python -
         --ckpt checkpoints/smollm2-lilicorr --suites humaneval,lilicorr/data/chat_first_turn.jsonl \\
         --limit 8 --max-tokens 64 --concurrency 1,2,4,8 --lengths block,auto --out results/draft_length_cpu
 
+`--engine DIR` evaluates a built engine directory instead of a checkpoint (its drafter graphs, as
+Triton serves them); `--profile` adds each cell's block cost from the stage timer: the lilicorr
+block's wall in plain steps (the `ar` step's wall in the same run), which is also the tau at which
+that block breaks even with plain decoding, and the drafter's share of it (draft backbone, LM head
+and speculative head).
+
 Each (concurrency, draft length) cell is one evaluation run of `ar` and `lilicorr` on the same
 prompts in one process; with --repeats R the two take turns R times (A B B A ...), so that a shared
 machine's slow and fast minutes fall on both. "block" verifies
@@ -24,25 +30,59 @@ from lilicorr.results_io import save_figure, write_report
 def run_cell(args, concurrency: int, length: str) -> dict:
     from lilicorr.eval import evaluate
 
-    argv = ["--target", args.target, "--ckpt", args.ckpt, "--prompts", args.suites, "--limit", str(args.limit),
+    source = ["--engine", args.engine] if args.engine else ["--ckpt", args.ckpt]
+    argv = ["--target", args.target, *source, "--prompts", args.suites, "--limit", str(args.limit),
             "--max-tokens", str(args.max_tokens), "--rules", "ar,lilicorr", "--batch-size", str(concurrency),
             "--threads", str(args.threads), "--dtype", args.dtype, "--repeats", str(args.repeats)]
     if length != "block":
         argv += ["--draft-length", length]
+    if args.prompt_lookup:
+        argv += ["--prompt-lookup", str(args.prompt_lookup)]
+    if args.profile:
+        argv += ["--profile"]
     doc = evaluate(argv)
     pooled = doc.get("overall") or next(iter(doc["results"].values()))
-    return {"concurrency": concurrency, "draft_length": length, "dtype": doc["meta"]["dtype"],
+    cell = {"concurrency": concurrency, "draft_length": length, "dtype": doc["meta"]["dtype"],
+            "prompt_lookup": doc["meta"]["prompt_lookup"],
             "ar_tokens_per_s": pooled["ar"]["tokens_per_s"],
             "lilicorr": {k: pooled["lilicorr"].get(k) for k in ("tau", "oracle_tau", "tokens_per_s")}}
+    if args.profile:
+        cell["block"] = block_cost(doc["profile"])
+    return cell
+
+
+DRAFTER_STAGES = ("draft_backbone", "lm_head_projection", "speculative_head")
+
+
+def block_cost(profile: dict) -> dict:
+    """The stage timer's per-block walls (ms) -> the lilicorr block in plain steps (its wall over
+    the `ar` step's; also the tau at which it breaks even with plain decoding) and the drafter's
+    part of it in plain steps."""
+    plain = profile["ar"]["per_block_wall_ms"]
+    li = profile["lilicorr"]
+    drafter = sum(li["stages_ms"][k] for k in DRAFTER_STAGES)
+    return {"ar_step_ms": plain, "block_ms": li["per_block_wall_ms"], "verify_ms": li["stages_ms"]["target_verify"],
+            "drafter_ms": drafter, "block_plain_steps": li["per_block_wall_ms"] / plain,
+            "drafter_plain_steps": drafter / plain}
 
 
 def table(cells: list[dict]) -> str:
-    lines = ["| concurrency | draft length | lilicorr tau | ar tok/s | lilicorr tok/s | lilicorr / ar |",
-             "|---:|---|---:|---:|---:|---:|"]
+    profiled = all("block" in c for c in cells)
+    head = "| concurrency | draft length | lilicorr tau | ar tok/s | lilicorr tok/s | lilicorr / ar |"
+    rule = "|---:|---|---:|---:|---:|---:|"
+    if profiled:
+        head += " ar step | lilicorr block | block in plain steps (break-even tau) | drafter in plain steps |"
+        rule += "---:|---:|---:|---:|"
+    lines = [head, rule]
     for c in cells:
         li = c["lilicorr"]
-        lines.append(f"| {c['concurrency']} | {c['draft_length']} | {li['tau']:.3f} | {c['ar_tokens_per_s']:.1f} | "
-                     f"{li['tokens_per_s']:.1f} | {li['tokens_per_s'] / c['ar_tokens_per_s']:.2f}x |")
+        line = (f"| {c['concurrency']} | {c['draft_length']} | {li['tau']:.3f} | {c['ar_tokens_per_s']:.1f} | "
+                f"{li['tokens_per_s']:.1f} | {li['tokens_per_s'] / c['ar_tokens_per_s']:.2f}x |")
+        if profiled:
+            b = c["block"]
+            line += (f" {b['ar_step_ms']:.1f} ms | {b['block_ms']:.1f} ms | {b['block_plain_steps']:.2f} | "
+                     f"{b['drafter_plain_steps']:.2f} |")
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -68,7 +108,9 @@ def plot(cells: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True)
-    p.add_argument("--ckpt", required=True)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--ckpt", help="drafter + head checkpoint (the PyTorch drafter)")
+    source.add_argument("--engine", help="built engine directory (its drafter graphs, as served)")
     p.add_argument("--suites", default="humaneval,lilicorr/data/chat_first_turn.jsonl")
     p.add_argument("--limit", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -78,6 +120,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="auto", help="target precision (eval's --dtype)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed passes per cell, ar and lilicorr in turn (eval's --repeats)")
+    p.add_argument("--prompt-lookup", type=int, default=0,
+                   help="eval's --prompt-lookup N (0: off): lookup rows verify copied continuations")
+    p.add_argument("--profile", action="store_true",
+                   help="add each cell's block cost from the stage timer (block and drafter in plain steps)")
     p.add_argument("--note", default="")
     p.add_argument("--out", required=True, help="output path without suffix (.json, .md, .png)")
     args = p.parse_args(argv)
@@ -88,7 +134,8 @@ def main(argv=None) -> int:
             cells.append(run_cell(args, conc, length))
     passes = f", {args.repeats} interleaved timed passes per cell" if args.repeats > 1 else ""
     body = (f"Greedy, {args.limit} prompts per suite ({args.suites}) pooled, up to {args.max_tokens} new tokens, "
-            f"target precision {cells[0]['dtype']}, {args.threads} thread(s){passes}. {args.note}\n\n{table(cells)}\n\n"
+            f"target precision {cells[0]['dtype']}, {args.threads} thread(s){passes}, "
+            f"prompt lookup {f'over {args.prompt_lookup}..2-grams' if args.prompt_lookup else 'off'}. {args.note}\n\n{table(cells)}\n\n"
             "![lilicorr / ar]({png})\n")
     print(write_report(args.out, "scripts/draft_length_cpu.py", argv,
                        "Draft length: whole block against auto, per concurrency, on this CPU", body,

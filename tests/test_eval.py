@@ -361,3 +361,47 @@ def test_evaluate_for_scripts_runs_tree_beside_the_others(setup, generated):
     assert doc["meta"]["rules"] == rules and doc["meta"]["tree_nodes"] == 6 and "plots" not in doc
     assert list(doc["results"]) == ["chat"] and list(doc["results"]["chat"]) == rules
     _assert_rules_generate_the_same_tokens(generated, 10, rules, doc["results"])
+
+
+def _draft_length_script():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("draft_length_cpu", REPO_ROOT / "scripts" / "draft_length_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_draft_length_script_prices_the_block_from_the_stage_timer(setup, tmp_path):
+    """scripts/draft_length_cpu.py with --profile: each cell's block cost is the stage timer's
+    lilicorr block wall over the `ar` step's wall of the same run, the drafter's part is its three
+    stages, and the report shows both; prompt lookup reaches the evaluation."""
+    script = _draft_length_script()
+    out = tmp_path / "dl"
+    rc = script.main(["--target", str(setup["path"]), "--ckpt", str(setup["ckpt"]), "--suites", str(setup["a"]),
+                      "--limit", "2", "--max-tokens", "8", "--concurrency", "1", "--lengths", "1,block",
+                      "--prompt-lookup", "2", "--profile", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert [c["draft_length"] for c in doc["cells"]] == ["1", "block"]
+    for c in doc["cells"]:
+        b = c["block"]
+        assert c["prompt_lookup"] == 2
+        assert b["block_ms"] > 0 and b["ar_step_ms"] > 0 and 0 < b["drafter_ms"] < b["block_ms"]
+        assert math.isclose(b["block_plain_steps"], b["block_ms"] / b["ar_step_ms"])
+        assert math.isclose(b["drafter_plain_steps"], b["drafter_ms"] / b["ar_step_ms"])
+    text = out.with_suffix(".md").read_text()
+    assert "block in plain steps (break-even tau)" in text and "prompt lookup over 2..2-grams" in text
+    assert script.table(doc["cells"]) in text
+
+
+def test_draft_length_engine_tables_come_from_their_json():
+    """The committed tables of results/draft_length_engine_epyc are what the script's table makes
+    of the cells in the JSON beside them."""
+    script = _draft_length_script()
+    folder = REPO_ROOT / "results" / "draft_length_engine_epyc"
+    runs = sorted(folder.glob("*.json"))
+    assert len(runs) == 4
+    for path in runs:
+        cells = json.loads(path.read_text())["cells"]
+        assert all("block" in c for c in cells)
+        assert script.table(cells) in path.with_suffix(".md").read_text(), path.name
