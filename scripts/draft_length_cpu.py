@@ -133,10 +133,10 @@ def main(argv=None) -> int:
             print(f"[draft_length_cpu] concurrency={conc} draft length={length}", file=sys.stderr, flush=True)
             cells.append(run_cell(args, conc, length))
     passes = f", {args.repeats} interleaved timed passes per cell" if args.repeats > 1 else ""
+    lookup = f"over {args.prompt_lookup}..2-grams" if args.prompt_lookup else "off"
     body = (f"Greedy, {args.limit} prompts per suite ({args.suites}) pooled, up to {args.max_tokens} new tokens, "
-            f"target precision {cells[0]['dtype']}, {args.threads} thread(s){passes}, "
-            f"prompt lookup {f'over {args.prompt_lookup}..2-grams' if args.prompt_lookup else 'off'}. {args.note}\n\n{table(cells)}\n\n"
-            "![lilicorr / ar]({png})\n")
+            f"target precision {cells[0]['dtype']}, {args.threads} thread(s){passes}, prompt lookup {lookup}. "
+            f"{args.note}\n\n{table(cells)}\n\n![lilicorr / ar]({{png}})\n")
     print(write_report(args.out, "scripts/draft_length_cpu.py", argv,
                        "Draft length: whole block against auto, per concurrency, on this CPU", body,
                        {"cells": cells, "note": args.note}, lambda path: plot(cells, path)))
