@@ -28,6 +28,16 @@ SPEC_RULES = ("lilicorr", "viterbi", "argmax")
 
 # ------------------------------------------------------------------------------------- models
 @lru_cache(maxsize=None)
+def load_script(path, name: str):
+    """A script that is not a package module (convert/, deploy/, scripts/, train/) imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def target_of(path) -> "torch.nn.Module":
     """A loaded TargetModel per folder (frozen; shared by the tests that do not change its rope)."""
     return load_target(Path(path))

@@ -24,15 +24,14 @@ pytest.importorskip("onnxscript", reason="the dynamo ONNX exporter needs onnxscr
 
 from lilicorr.export import BuildError, BuildOptions, build_engine_dir, plan_plugins  # noqa: E402
 
+from spec_helpers import load_script  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = [[1, 5, 9, 12, 40], [1, 7, 7, 30], [1, 44, 50, 51, 52, 53, 54, 60, 61]]
 
 
 def _cli():
-    spec = importlib.util.spec_from_file_location("build_engine_cli", REPO / "convert" / "build_engine.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(REPO / "convert" / "build_engine.py", "build_engine_cli")
 
 
 def _save_untrained(target_dir: Path, out: Path, vanilla: bool = False, seed: int = 0) -> Path:

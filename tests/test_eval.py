@@ -16,7 +16,7 @@ from lilicorr.eval import main
 from lilicorr.model import untrained_model
 from lilicorr.target import load_target
 
-from spec_helpers import REPO_ROOT
+from spec_helpers import REPO_ROOT, load_script
 
 pytest.importorskip("transformers")
 
@@ -364,11 +364,7 @@ def test_evaluate_for_scripts_runs_tree_beside_the_others(setup, generated):
 
 
 def _draft_length_script():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("draft_length_cpu", REPO_ROOT / "scripts" / "draft_length_cpu.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(REPO_ROOT / "scripts" / "draft_length_cpu.py", "draft_length_cpu")
 
 
 def test_draft_length_script_prices_the_block_from_the_stage_timer(setup, tmp_path):

@@ -6,7 +6,6 @@ with exit 2.
 The dry-run takes about 30-75 s on 2 shared cores (Triton interpreter + five engine runs), so it
 is marked slow.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from spec_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "deploy" / "gpu_check.py"
@@ -112,10 +113,7 @@ def test_small_cpu_dry_run(tmp_path):
 
 
 def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(SCRIPT, "gpu_check")
 
 
 @torch.no_grad()

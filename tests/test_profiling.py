@@ -8,7 +8,6 @@ open ranges, so balance and nesting are checked exactly without a profiler attac
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -27,7 +26,7 @@ from lilicorr.model import untrained_model
 from lilicorr.profiling import (BLOCK, STAGE_ACCEPT, STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD, STAGE_VERIFY,
                                 STAGES, StageTimer, current_timer, nvtx_range, stage)
 
-from spec_helpers import random_prompts, target_of
+from spec_helpers import load_script, random_prompts, target_of
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -382,10 +381,7 @@ def test_parse_older_and_unit_variants():
 
 # ------------------------------------------------------------------------------------ deploy/stage_profile.py
 def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"lilicorr_deploy_{name}", REPO / "deploy" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(REPO / "deploy" / f"{name}.py", f"lilicorr_deploy_{name}")
 
 
 def test_profile_script_without_nsys(tiny_target_dir, tmp_path, capsys, monkeypatch):

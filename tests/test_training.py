@@ -3,7 +3,6 @@ errors, atomic directories), the train/train.py CLI and 2-process data paralleli
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -21,6 +20,8 @@ from lilicorr.model import load_model
 from lilicorr.target import TargetModel, load_target
 from lilicorr.trainer import Trainer, cosine_with_warmup
 from lilicorr.training import Sequence, collate, load_sequences, sample_anchors
+
+from spec_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 TRAIN_PY = REPO / "train" / "train.py"
@@ -94,10 +95,7 @@ def assert_same_params(a: dict, b: dict, atol: float = 0.0):
 
 
 def train_cli():
-    spec = importlib.util.spec_from_file_location("lilicorr_train_cli", TRAIN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(TRAIN_PY, "lilicorr_train_cli")
 
 
 CLI_SMALL = ["--preset", "cpu", "--drafter-layers", "1", "--block-size", "5", "--num-anchors", "8",
