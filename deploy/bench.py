@@ -99,12 +99,21 @@ def main(argv: list[str] | None = None) -> int:
     cells, outputs = [], {}
     try:
         client.wait_ready(60)
+        warm_before = scrape_metrics(metrics_url) if args.profile else None
+        warm_sent = 0
         for rule in rules:
             for item in prompts[: args.warmup]:
+                warm_sent += 1
                 try:
                     client.generate(max_tokens=min(8, args.max_tokens), decode_rule=rule, **request_kwargs(item))
                 except GenerationError as e:
                     print(f"[bench] warm-up request failed ({rule}): {e}", file=sys.stderr)
+        if args.profile and warm_sent:
+            # The server publishes a request's last step after sending its response. Until the
+            # warm-up's is published, the first pass's opening scrape would lack it, its closing
+            # scrape would count the warm-up's end as one of its own and settle a request early,
+            # and the steps of that pass's last request would be lost to its stage table.
+            settled_metrics(metrics_url, warm_before, warm_sent)
         for c in concurrencies:
             runs = {rule: {"results": [], "wall": 0.0, "metrics": {}} for rule in rules}
             for rep in range(args.repeats):
