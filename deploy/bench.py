@@ -61,9 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lookup", default="", help="with --engine: longest n-gram of prompt lookup, or off "
                    "(default: the manifest's serving choice, else off)")
     p.add_argument("--threads", type=int, default=0, help="with --engine: torch threads of the engine (0: default)")
+    p.add_argument("--gemm-threads", type=int, default=0,
+                   help="with --engine: threads of the target's multi-token fp16-weight GEMMs (0: default)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be positive, got {args.repeats}")
+    if args.threads < 0 or args.gemm_threads < 0:
+        p.error("--threads and --gemm-threads must be >= 0")
 
     concurrencies = parse_list(args.concurrency, int)
     rules = parse_list(args.rules)
@@ -86,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         generate_repository(read_engine_manifest(args.engine), repo,
                             ServeOptions(max_batch=max(concurrencies), profile=args.profile, dtype=args.dtype,
                                          draft_length=args.draft_length, tree_nodes=args.tree_nodes,
-                                         prompt_lookup=args.prompt_lookup, num_threads=args.threads))
+                                         prompt_lookup=args.prompt_lookup, num_threads=args.threads,
+                                         gemm_threads=args.gemm_threads))
         server = TritonServer(repo, startup_timeout=900).start()
         url, metrics_url = server.grpc_url, server.metrics_url
     elif args.url:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lilicorr.drafter import inference_attention_mask
-from lilicorr.fp16_linear import (FP16_MAX, FP16WeightLinear, fbgemm_fp16_available, fp16_exact, fp16_linear, pack_fp16,
+from lilicorr.fp16_linear import (FP16_MAX, FP16WeightLinear, PackedFP16, fbgemm_fp16_available, fp16_exact,
                                   use_fp16_weights)
 from lilicorr.kv_cache import KVCache
 from lilicorr.model import LiLiCorrModel, Proposal
@@ -69,7 +69,7 @@ class DraftLMHead:
             raise ValueError(f"unknown LM-head kernel {kernel!r}; choose auto, fp16 or native")
         self.drafter = drafter
         self.kernel = "native"
-        self._packed = self._bias = None
+        self._gemm = None
         w = getattr(drafter.lm_head, "weight", None)
         if kernel == "native" or w is None or w.device.type != "cpu" or not fbgemm_fp16_available():
             return
@@ -80,19 +80,19 @@ class DraftLMHead:
             return
         if kernel == "auto" and not fp16_exact(w):
             return
-        packed, bias = pack_fp16(w), torch.zeros(w.shape[0])
+        gemm = PackedFP16(w, None)
         probe = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype)
         with torch.no_grad():
             want = drafter.logits(probe)
-            have = fp16_linear(probe, packed, bias, w.shape[0])
+            have = gemm(probe)
         if want.shape != have.shape or not torch.allclose(want, have, rtol=2e-2, atol=2e-2 * float(want.abs().max())):
             return
-        self.kernel, self._packed, self._bias = "fp16", packed, bias
+        self.kernel, self._gemm = "fp16", gemm
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._packed is None:
+        if self._gemm is None:
             return self.drafter.logits(hidden)
-        return fp16_linear(hidden, self._packed, self._bias, self._bias.shape[0])
+        return self._gemm(hidden)
 
 
 class TorchDraftRunner(ContextCacheRunner):

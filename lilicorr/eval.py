@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt lookup: where a row's last n tokens (N >= n >= 2) occurred before, verify what "
                         "followed them instead of drafting (0: off, the default)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--gemm-threads", type=int, default=0,
+                   help="threads of the fp16-weights target's multi-token GEMMs (a verify, a prefill, several "
+                        "rows; 0: --threads)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per rule before timing (0: none)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed passes per suite, the rules in turn and in reverse order every other pass "
@@ -125,6 +128,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--block-size must be >= 2, got {args.block_size}")
     if args.threads is not None and args.threads <= 0:
         parser.error(f"--threads must be positive, got {args.threads}")
+    if args.gemm_threads < 0:
+        parser.error(f"--gemm-threads must be >= 0, got {args.gemm_threads}")
     if args.repeats <= 0:
         parser.error(f"--repeats must be positive, got {args.repeats}")
     spec = [r for r in args.rules if r != "ar"]
@@ -329,6 +334,8 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    from lilicorr.fp16_linear import set_gemm_threads
+    set_gemm_threads(args.gemm_threads)
     try:
         tok = Tokenizer.from_dir(args.target)
     except (FileNotFoundError, ValueError) as e:
@@ -386,6 +393,7 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
     import torch
 
     from lilicorr import report
+    from lilicorr.fp16_linear import gemm_threads as fp16_gemm_threads
     from lilicorr.profiling import StageTimer
 
     block_size = engine.block_size
@@ -450,6 +458,7 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "prompt_lookup": engine.prompt_lookup,
             "tree_nodes": args.tree_nodes,
             "threads": torch.get_num_threads(),
+            "gemm_threads": fp16_gemm_threads(),
             "cpu_count": os.cpu_count(),
             "profile": bool(args.profile),
             "skipped_prompts": skipped,

@@ -11,6 +11,9 @@ The model this defines is exact and simple to state: every weight matrix (linear
 tables) rounded to fp16 (10-bit mantissa: 8x finer than bf16), everything else in fp32. `FP16WeightLinear.weight` holds
 the rounded values in fp32, so code that reads the weight (the drafter's draft-vocabulary rows,
 a tied embedding) sees the same numbers the kernel multiplies with.
+
+A GEMM over more than one token (a verify, a prefill, several rows) can run on more threads than
+the rest of the model (`set_gemm_threads`, `PackedFP16`), with the same bits as on one.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ _linear_warned = False     # the op's deprecation warning is a warn-once in ATen
 
 
 def fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., I] (any float dtype) @ packed^T + bias -> float32 [..., O]."""
+    """x [..., I] (any float dtype) @ packed^T + bias -> float32 [..., O], on one thread."""
     global _linear_warned
     shape = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).float().contiguous()              # [M, I]
@@ -50,6 +53,68 @@ def fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_f
             y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)
         _linear_warned = True
     return y.view(*shape, out_features)
+
+
+_gemm_threads = 0          # threads of a GEMM over more than one token; 0: torch's intra-op threads
+
+
+def set_gemm_threads(n: int) -> None:
+    """Threads for the fp16-weight GEMMs of more than one token (a verify, a prefill, several rows),
+    whatever torch's own thread count: 0 follows `torch.get_num_threads()`. A 1-token GEMM cannot be
+    split and always runs on one thread. A process-wide setting, like torch's thread count."""
+    global _gemm_threads
+    if n < 0:
+        raise ValueError(f"GEMM threads {n}: must be >= 0 (0: torch's thread count)")
+    _gemm_threads = int(n)
+
+
+def gemm_threads() -> int:
+    """The threads a multi-token fp16-weight GEMM runs on now."""
+    return _gemm_threads or torch.get_num_threads()
+
+
+class PackedFP16:
+    """One fp16-weight matrix packed for fbgemm, run on `gemm_threads()` threads.
+
+    `torch.fbgemm_linear_fp16_weight` runs fbgemm's fp16 GEMM on one thread. The quantized-engine
+    op `quantized::linear_dynamic_fp16` runs the same fbgemm kernel on the same packed layout,
+    splitting the rows of x (the M tokens) across torch's intra-op threads: each output row is
+    computed exactly as on one thread, so both give identical bits (tests/test_target.py). A
+    1-token GEMM cannot be split, and a thread count of 1 has nothing to split it across: those take
+    the one-thread op, the others the parallel one, with torch's thread count raised to
+    `gemm_threads()` for the call alone (the rest of the model keeps its own). Each packing is made
+    the first time it is used. On a 2-core EPYC, 2 GEMM threads took SmolLM2's 8-token forward from
+    41.9 to 36.8 ms offline, but through Triton on those 2 cores the server was slower with them
+    (results/gemm_threads_epyc/), so the engine's default is its torch thread count."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight = weight.detach()                     # [O, I], fp16-exact values
+        self.out_features = int(weight.shape[0])
+        self.bias = (bias.detach().float() if bias is not None else torch.zeros(self.out_features)).contiguous()
+        self._single: torch.Tensor | None = None          # fbgemm packed matrix
+        self._parallel = None                             # LinearPackedParamsBase (quantized engine)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., I] (any float dtype) -> float32 [..., O]."""
+        rows = x.numel() // x.shape[-1]
+        threads = gemm_threads()
+        if threads == 1 or rows == 1:
+            if self._single is None:
+                self._single = pack_fp16(self.weight)
+            return fp16_linear(x, self._single, self.bias, self.out_features)
+        if self._parallel is None:
+            self._parallel = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), self.bias)
+        shape = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float().contiguous()              # [M, I]
+        before = torch.get_num_threads()
+        if before != threads:
+            torch.set_num_threads(threads)
+        try:
+            y = torch.ops.quantized.linear_dynamic_fp16(x2, self._parallel)
+        finally:
+            if before != threads:
+                torch.set_num_threads(before)
+        return y.view(*shape, self.out_features)
 
 
 def fp16_exact(weight: torch.Tensor) -> bool:
@@ -75,13 +140,12 @@ class FP16WeightLinear(nn.Module):
         with torch.no_grad():
             w.copy_(w.half().to(w.dtype))                 # the values the kernel multiplies with
         self.weight = w                                    # [O, I] float32, fp16-exact
-        b = linear.bias
-        self.bias = b
-        self._bias = (b.detach().float() if b is not None else torch.zeros(self.out_features)).contiguous()
-        self._packed = pack_fp16(w)                         # not a buffer: stays out of state_dict
+        self.bias = linear.bias
+        self._gemm = PackedFP16(w, linear.bias)             # not a buffer: stays out of state_dict
+        self._gemm(torch.zeros(1, self.in_features))        # pack the 1-token layout now, not mid-request
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp16_linear(x, self._packed, self._bias, self.out_features)
+        return self._gemm(x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16 (fbgemm)"

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from lilicorr.costmodel import measure_forward_times
+from lilicorr.fp16_linear import set_gemm_threads
 from lilicorr.results_io import save_figure
 from lilicorr.target import load_target, precision_variant
 
@@ -38,6 +39,11 @@ def cpu_flags() -> list[str]:
     return []
 
 
+def setting_label(dtype: str, threads: int, gemm_threads: int = 0) -> str:
+    """'fp16-weights, 1' or, with GEMM threads of their own, 'fp16-weights, 1 (GEMMs 2)'."""
+    return f"{dtype}, {threads}" + (f" (GEMMs {gemm_threads})" if gemm_threads else "")
+
+
 def plot(rows: list[dict], path: Path) -> None:
     """t(k) in ms against k, one line per (precision, threads)."""
     import matplotlib
@@ -46,7 +52,8 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in rows:
         ks = sorted(r["ms"])
-        ax.plot(ks, [r["ms"][k] for k in ks], marker="o", ms=3, label=f"{r['dtype']}, {r['threads']} thread(s)")
+        ax.plot(ks, [r["ms"][k] for k in ks], marker="o", ms=3,
+                label=setting_label(r["dtype"], r["threads"], r.get("gemm_threads", 0)) + " thread(s)")
     ax.set_xlabel("tokens per forward k (1 = a plain decode step)")
     ax.set_ylabel("target forward (ms)")
     ax.set_ylim(bottom=0)
@@ -68,6 +75,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="float32,bfloat16,fp16-weights",
                    help="target precisions (PRECISIONS; NAME:plain keeps PyTorch's own kernels, see lilicorr.batch_invariant)")
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--gemm-threads", default="0",
+                   help="comma list: threads of fp16-weights' multi-token GEMMs, each beside every --threads "
+                        "(0: torch's thread count; `lilicorr.fp16_linear.set_gemm_threads`)")
     p.add_argument("--note", default="", help="free text for the results file (e.g. 'machine shared')")
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
@@ -76,30 +86,41 @@ def main(argv=None) -> int:
     for d in dtypes:                 # NAME:plain = PyTorch's own kernels (bf16 on a CPU is batch-invariant)
         name, invariant = precision_variant(d)
         targets[d] = load_target(args.target, dtype=name, batch_invariant=invariant)
+    gemm = [int(g) for g in args.gemm_threads.split(",")]
     ks = range(1, args.max_k + 1)
-    per_round: dict[tuple[str, int], list[dict[int, float]]] = {(d, t): [] for d in dtypes for t in threads}
+    # setting: (precision, torch threads, GEMM threads); GEMM threads only vary fp16-weights' kernels
+    settings = [(d, t, g) for d in dtypes for t in threads
+                for g in (gemm if precision_variant(d)[0] == "fp16-weights" else [0])]
+    per_round: dict[tuple[str, int, int], list[dict[int, float]]] = {st: [] for st in settings}
     for r in range(args.rounds):
-        for (d, t), acc in per_round.items():
+        for (d, t, g), acc in per_round.items():
             torch.set_num_threads(t)
+            set_gemm_threads(g)
             acc.append(measure_forward_times(targets[d], rows=args.rows, ks=ks, context=args.context,
                                              reps=args.reps, warmup=1))
-            print(f"[verify_cost] round {r + 1}/{args.rounds} {d} {t} thread(s): "
+            print(f"[verify_cost] round {r + 1}/{args.rounds} {setting_label(d, t, g)}: "
                   f"t(1)={acc[-1][1] * 1e3:.1f} ms t(8)/t(1)={acc[-1][8] / acc[-1][1]:.2f}", file=sys.stderr, flush=True)
+    set_gemm_threads(0)
     rows = []
-    for (d, t), acc in per_round.items():
+    for (d, t, g), acc in per_round.items():
         t1 = statistics.median(a[1] for a in acc)
         ratios = {k: statistics.median(a[k] / a[1] for a in acc) for k in ks}
-        rows.append({"dtype": d, "threads": t, "t1_ms": t1 * 1e3, "ratio": ratios,
+        rows.append({"dtype": d, "threads": t, "gemm_threads": g, "t1_ms": t1 * 1e3, "ratio": ratios,
                      "ms": {k: statistics.median(a[k] for a in acc) * 1e3 for k in ks}})
     ks_show = list(ks)
     head = "| dtype, threads | t(1) | " + " | ".join(f"k={k}" for k in ks_show[1:]) + " |"
     lines = [head, "|---|" + "---:|" * len(ks_show)]
     for row in rows:
-        lines.append(f"| {row['dtype']}, {row['threads']} | {row['t1_ms']:.1f} ms | "
+        lines.append(f"| {setting_label(row['dtype'], row['threads'], row['gemm_threads'])} | {row['t1_ms']:.1f} ms | "
                      + " | ".join(f"{row['ratio'][k]:.2f}x" for k in ks_show[1:]) + " |")
     ref = next((r for r in rows if r["dtype"] == "float32" and r["threads"] == threads[0]), rows[0])
-    lines += ["", "Plain step t(1) relative to " + f"{ref['dtype']}, {ref['threads']} thread(s): "
-              + ", ".join(f"{r['dtype']}/{r['threads']}: {r['t1_ms'] / ref['t1_ms']:.2f}x" for r in rows)]
+    lines += ["", "Plain step t(1) relative to "
+              + f"{setting_label(ref['dtype'], ref['threads'], ref['gemm_threads'])} thread(s): "
+              + ", ".join(f"{setting_label(r['dtype'], r['threads'], r['gemm_threads'])}: "
+                          f"{r['t1_ms'] / ref['t1_ms']:.2f}x" for r in rows)]
+    for k in sorted({min(8, ks_show[-1]), ks_show[-1]}):       # whole forwards, in ms
+        lines += ["", f"Forward of k = {k} tokens: " + ", ".join(
+            f"{setting_label(r['dtype'], r['threads'], r['gemm_threads'])}: {r['ms'][k]:.1f} ms" for r in rows)]
     table = "\n".join(lines)
     cmd = "python scripts/verify_cost.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     md = (f"# Target verify cost t(k)/t(1) on this CPU\n\n"

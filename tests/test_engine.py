@@ -966,15 +966,22 @@ def _assert_speculative_equals_ar(target) -> None:
     assert tau > 1.5, f"tau {tau:.2f}: the k-token verify path is barely exercised"
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fp16_weights_speculative_equals_ar(tiny_target_dir, family):
+@pytest.mark.parametrize("family,gemm_threads", [(f, 0) for f in FAMILIES] + [("llama", 2)])
+def test_fp16_weights_speculative_equals_ar(tiny_target_dir, family, gemm_threads):
     """With the target as fp16-weights (fp16 weight matrices, fp32 arithmetic) a k-token verify and
     a 1-token step multiply the same fp16 values with fp32 accumulation: greedy output of every
     speculative rule equals greedy `ar` of the same target token for token, with multi-token
-    acceptance exercised (tau > 1.5)."""
-    target = load_target(tiny_target_dir(family), dtype="fp16-weights")
-    assert target.precision == "fp16-weights"
-    _assert_speculative_equals_ar(target)
+    acceptance exercised (tau > 1.5). Also as the server runs it on 2 cores: one torch thread,
+    multi-token GEMMs split across 2 (`PackedFP16`)."""
+    from lilicorr.fp16_linear import gemm_threads as current, set_gemm_threads
+    set_gemm_threads(gemm_threads)
+    try:
+        assert current() == (gemm_threads or torch.get_num_threads())
+        target = load_target(tiny_target_dir(family), dtype="fp16-weights")
+        assert target.precision == "fp16-weights"
+        _assert_speculative_equals_ar(target)
+    finally:
+        set_gemm_threads(0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

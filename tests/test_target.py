@@ -117,6 +117,41 @@ def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir,
     assert float((fp32 - out.logits).abs().max()) > 0
 
 
+def test_packed_fp16_gives_the_same_bits_on_one_thread_and_two():
+    """`PackedFP16` runs fbgemm's one-thread op at 1 thread and the quantized engine's parallel op
+    above; every output row is the same bits either way, at every number of rows (so a k-token
+    verify and a 1-token step agree at either thread count), with and without a bias, and each
+    packing is made once, when first used. `set_gemm_threads` sets the count (0: torch's) and
+    refuses a negative one."""
+    from lilicorr.fp16_linear import PackedFP16, gemm_threads, set_gemm_threads
+    set_gemm_threads(3)
+    assert gemm_threads() == 3
+    set_gemm_threads(0)
+    assert gemm_threads() == torch.get_num_threads()
+    with pytest.raises(ValueError, match="must be >= 0"):
+        set_gemm_threads(-1)
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for out_f, in_f, with_bias in [(96, 64, False), (37, 100, True)]:
+            w = (torch.randn(out_f, in_f, generator=g) * 0.05).half().float()
+            bias = torch.randn(out_f, generator=g) if with_bias else None
+            x = torch.randn(9, in_f, generator=g)
+            gemm = PackedFP16(w, bias)
+            torch.set_num_threads(1)
+            one = gemm(x)                                           # [9, O]
+            assert gemm._single is not None and gemm._parallel is None
+            want = x @ w.T + (bias if with_bias else 0)
+            assert torch.allclose(one, want, rtol=1e-4, atol=1e-4)
+            torch.set_num_threads(2)
+            for m in range(1, 10):
+                assert torch.equal(gemm(x[:m]), one[:m]), (out_f, m)
+                assert torch.equal(gemm(x[:m].reshape(1, m, in_f)), one[:m].reshape(1, m, out_f))
+            assert gemm._parallel is not None
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_precision_names_resolve(monkeypatch):
     """auto: bf16 on CUDA and on CPUs with AMX-BF16; on other CPUs fp16-weights where fbgemm has it,
     else fp32, also with AVX512-BF16 alone; fp16-weights computes in float32 and is refused on CUDA;

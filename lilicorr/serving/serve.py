@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     eng.add_argument("--num-threads", type=int, default=0,
                      help="torch threads in the engine (0: every core this process may use but one, "
                           "which the server's own threads need)")
+    eng.add_argument("--gemm-threads", type=int, default=0,
+                     help="threads of the target's multi-token fp16-weight GEMMs (a verify, a prefill, several "
+                          "rows; 0: --num-threads). Through Triton on 2 cores, 2 measured slower than 1 "
+                          "(results/gemm_threads_epyc/)")
     eng.add_argument("--no-chat-template", action="store_true",
                      help="tokenize text_input raw instead of as a chat user message")
     eng.add_argument("--profile", action="store_true",
@@ -119,7 +123,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         max_tokens_limit=args.max_tokens_limit, default_max_tokens=args.default_max_tokens,
                         default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
                         draft_length=args.draft_length, tree_nodes=args.tree_nodes,
-                        prompt_lookup=args.prompt_lookup, num_threads=args.num_threads, draft_backend=args.draft_backend,
+                        prompt_lookup=args.prompt_lookup, num_threads=args.num_threads, gemm_threads=args.gemm_threads,
+                        draft_backend=args.draft_backend,
                         chat_template=not args.no_chat_template, profile=args.profile,
                         max_prompt_bytes=args.max_prompt_bytes, extra_parameters=extra)
 
