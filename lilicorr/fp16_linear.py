@@ -98,7 +98,7 @@ class PackedFP16:
         """x [..., I] (any float dtype) -> float32 [..., O]."""
         rows = x.numel() // x.shape[-1]
         threads = gemm_threads()
-        if threads == 1 or rows == 1:
+        if threads == 1 or rows <= 1:
             if self._single is None:
                 self._single = pack_fp16(self.weight)
             return fp16_linear(x, self._single, self.bias, self.out_features)
