@@ -40,19 +40,16 @@ def pack_fp16(weight: torch.Tensor) -> torch.Tensor:
 _linear_warned = False     # the op's deprecation warning is a warn-once in ATen: silence only the first call
 
 
-def fp16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [..., I] (any float dtype) @ packed^T + bias -> float32 [..., O], on one thread."""
+def fp16_linear(x2: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """x2 [M, I] float32, contiguous @ packed^T + bias -> float32 [M, O], on one thread."""
     global _linear_warned
-    shape = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1]).float().contiguous()              # [M, I]
     if _linear_warned:          # a catch_warnings block per call costs more than a small GEMM's setup
-        y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)          # [M, O]
-    else:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
-            y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)
-        _linear_warned = True
-    return y.view(*shape, out_features)
+        return torch.fbgemm_linear_fp16_weight(x2, packed, bias)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fbgemm.*deprecated")
+        y = torch.fbgemm_linear_fp16_weight(x2, packed, bias)
+    _linear_warned = True
+    return y
 
 
 _gemm_threads = 0          # threads of a GEMM over more than one token; 0: torch's intra-op threads
@@ -94,23 +91,26 @@ class PackedFP16:
         self._single: torch.Tensor | None = None          # fbgemm packed matrix
         self._parallel = None                             # LinearPackedParamsBase (quantized engine)
 
+    def single(self) -> torch.Tensor:
+        """The one-thread op's packed matrix, packed on first use."""
+        if self._single is None:
+            self._single = pack_fp16(self.weight)
+        return self._single
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., I] (any float dtype) -> float32 [..., O]."""
-        rows = x.numel() // x.shape[-1]
-        threads = gemm_threads()
-        if threads == 1 or rows <= 1:
-            if self._single is None:
-                self._single = pack_fp16(self.weight)
-            return fp16_linear(x, self._single, self.bias, self.out_features)
-        if self._parallel is None:
-            self._parallel = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), self.bias)
         shape = x.shape[:-1]
         x2 = x.reshape(-1, x.shape[-1]).float().contiguous()              # [M, I]
+        threads = gemm_threads()
+        if threads == 1 or x2.shape[0] <= 1:
+            return fp16_linear(x2, self.single(), self.bias).view(*shape, self.out_features)
+        if self._parallel is None:
+            self._parallel = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), self.bias)
         before = torch.get_num_threads()
         if before != threads:
             torch.set_num_threads(threads)
         try:
-            y = torch.ops.quantized.linear_dynamic_fp16(x2, self._parallel)
+            y = torch.ops.quantized.linear_dynamic_fp16(x2, self._parallel)      # [M, O]
         finally:
             if before != threads:
                 torch.set_num_threads(before)
@@ -142,7 +142,7 @@ class FP16WeightLinear(nn.Module):
         self.weight = w                                    # [O, I] float32, fp16-exact
         self.bias = linear.bias
         self._gemm = PackedFP16(w, linear.bias)             # not a buffer: stays out of state_dict
-        self._gemm(torch.zeros(1, self.in_features))        # pack the 1-token layout now, not mid-request
+        self._gemm.single()                                  # pack the 1-token layout now, not mid-request
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x)
