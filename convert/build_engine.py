@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from lilicorr.config import DTYPE_CHOICES
 from lilicorr.engine_dir import BACKENDS
 
 
@@ -32,9 +33,10 @@ def parse_args(argv=None):
     p.add_argument("--compute-capabilities", default=None,
                    help="TensorRT-RTX targets, comma separated (default SM80,SM86,SM89,SM120)")
     p.add_argument("--serve-dtype", default="auto",
-                   choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
+                   choices=DTYPE_CHOICES,
                    help="target precision the manifest asks servers to use (auto: bf16 on CUDA and on AMX "
-                        "CPUs; on other CPUs fp16-weights where fbgemm has it, else fp32)")
+                        "CPUs; on other CPUs bf16-gemm with AVX512-BF16, else fp16-weights where fbgemm has "
+                        "it, else fp32)")
     p.add_argument("--draft-length", default="auto",
                    help="drafted tokens verified per step recorded for serving: auto (the default: per row "
                         "and step, what pays for itself at the current load), N, or '' (the whole block)")

@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", required=True, help="output JSON path (the PNG plot goes next to it)")
     p.add_argument("--profile", action="store_true", help="per-cell stage decomposition from /metrics")
     p.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout (s)")
-    p.add_argument("--dtype", default="", help="with --engine: target precision (auto, float32, bfloat16, fp16-weights; "
+    p.add_argument("--dtype", default="", help="with --engine: target precision (auto, float32, bfloat16, fp16-weights, bf16-gemm; "
                    "default: the manifest's serving dtype, else auto)")
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES, help="with --engine: rule tree's draft-tree size M")
     p.add_argument("--draft-length", default="", help="with --engine: drafted tokens verified per step, N or "

@@ -229,12 +229,13 @@ def _rows_alone_equal(fn, x: torch.Tensor) -> bool:
     return all(torch.equal(fn(x[:m]), alone[:m]) for m in range(2, x.shape[0] + 1))
 
 
-def _cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
-    """`invariant_attention` as the target calls it: q [1, hq, T, D]; k, v [1, hkv, C, D] float32
-    caches read `padded_keys` deep (views); query t sees keys < seen[t] (a float32 mask)."""
+def _cached_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+    """An attention `fn` (`invariant_attention` or a model's own kernel) as the target calls it:
+    q [1, hq, T, D]; k, v [1, hkv, C, D] float32 caches read `padded_keys` deep (views); query t
+    sees keys < seen[t] (a float32 mask)."""
     width = padded_keys(int(seen.max()))
     mask = torch.zeros(len(seen), width).masked_fill_(torch.arange(width)[None, :] >= seen[:, None], float("-inf"))
-    return invariant_attention(q, k[:, :, :width], v[:, :, :width], mask)
+    return fn(q, k[:, :, :width], v[:, :, :width], mask)
 
 
 @torch.no_grad()
@@ -252,6 +253,8 @@ def check_batch_invariant(model: nn.Module, seed: int = 0) -> list[str]:
             if not _rows_alone_equal(m, x):
                 failures.append(f"linear {name} [{m.in_features} -> {m.out_features}]")
     cfg = model.config
+    attend = next((m.attention_kernel for m in model.modules() if getattr(m, "attention_kernel", None)),
+                  invariant_attention)
     hq, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     t_max = max(1, ROWS // (hq // hkv))
     for cached in (5, 37, 130, 511):
@@ -261,9 +264,9 @@ def check_batch_invariant(model: nn.Module, seed: int = 0) -> list[str]:
         cap = padded_keys(s) + KEY_BLOCK
         k, v = (torch.randn(1, hkv, cap, d, generator=g).to(dtype).float() for _ in range(2))
         for t in range(1, t_max + 1):
-            together = _cached_attention(q[:, :, :t], k, v, cached + 1 + torch.arange(t))
+            together = _cached_attention(attend, q[:, :, :t], k, v, cached + 1 + torch.arange(t))
             for j in range(t):               # query j alone, over only the keys it may see
-                alone = _cached_attention(q[:, :, j:j + 1], k, v, torch.tensor([cached + j + 1]))
+                alone = _cached_attention(attend, q[:, :, j:j + 1], k, v, torch.tensor([cached + j + 1]))
                 if not torch.equal(alone, together[:, :, j:j + 1]):
                     failures.append(f"attention: query {j} of {t} over {cached} cached keys")
                     break

@@ -162,6 +162,15 @@ def _build(klass, d: dict):
     return klass(**d)
 
 
+# Serving precisions of the target. "fp16-weights": weight matrices rounded to fp16 and multiplied
+# by fbgemm's fp16-weight GEMM, activations and everything else in float32 (CPU only;
+# lilicorr/fp16_linear.py). "bf16-gemm": weight matrices and every GEMM input rounded to bf16, fp32
+# accumulation (AVX512-BF16), everything else in float32 (CPU only; lilicorr/bf16_gemm.py). The
+# others are plain torch dtypes for every tensor. Command lines accept "auto" besides these.
+PRECISIONS = ("float32", "bfloat16", "float16", "fp16-weights", "bf16-gemm")
+CPU_GEMM_PRECISIONS = ("fp16-weights", "bf16-gemm")   # float32 models whose linears run a packed CPU kernel
+DTYPE_CHOICES = ("auto",) + PRECISIONS
+
 def paper_preset() -> LiLiCorrConfig:
     """Table 4 exactly (Qwen3-8B target: 5 draft layers, B=16, K=8, d_e=1024, sigma=8)."""
     return LiLiCorrConfig()

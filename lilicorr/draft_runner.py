@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from lilicorr.bf16_gemm import BF16GemmLinear, use_bf16_gemm
 from lilicorr.drafter import inference_attention_mask
 from lilicorr.fp16_linear import (FP16_MAX, FP16WeightLinear, PackedFP16, fbgemm_fp16_available, fp16_exact,
                                   use_fp16_weights)
@@ -100,8 +101,12 @@ class TorchDraftRunner(ContextCacheRunner):
 
     def __init__(self, model: LiLiCorrModel, num_slots: int, capacity: int = 256, lm_head_kernel: str = "auto"):
         self.model = model.eval()
-        if isinstance(model.drafter.lm_head, FP16WeightLinear):   # the target was loaded as fp16-weights:
-            use_fp16_weights(model)      # the drafter and head follow (their drafts are verified: lossless)
+        # the target was loaded as fp16-weights or bf16-gemm (its LM head is the drafter's): the drafter
+        # and head follow (their drafts are verified: lossless)
+        if isinstance(model.drafter.lm_head, FP16WeightLinear):
+            use_fp16_weights(model)
+        elif isinstance(model.drafter.lm_head, BF16GemmLinear):
+            use_bf16_gemm(model)
         cfg = model.cfg.drafter
         w = model.drafter.fc.weight
         self.cache = KVCache(cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim, capacity, w.dtype, w.device)

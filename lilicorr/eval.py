@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-from lilicorr.config import DEFAULT_TREE_NODES
+from lilicorr.config import DEFAULT_TREE_NODES, DTYPE_CHOICES
 
 RULE_CHOICES = ("ar", "argmax", "lilicorr", "viterbi", "tree")
 SCALARS = ("tau", "oracle_tau", "tokens_per_s", "speedup_vs_ar", "tau_over_oracle", "generated_tokens",
@@ -71,10 +71,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None, help="with --untrained: block size B")
     p.add_argument("--max-seq-len", type=int, default=2048, help="context limit of the engine")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16", "fp16-weights"),
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="target precision; auto = bfloat16 on CUDA and on CPUs with AMX-BF16 "
-                        "(batch-invariant); on other CPUs fp16-weights (fp16 weight matrices, fp32 "
-                        "arithmetic; CPU fbgemm) where available, else float32")
+                        "(batch-invariant); on other CPUs bf16-gemm (bf16 weights and GEMM inputs, fp32 "
+                        "sums; AVX512-BF16) where the CPU has it, else fp16-weights (fp16 weight matrices, "
+                        "fp32 arithmetic; CPU fbgemm) where available, else float32")
     p.add_argument("--tree-nodes", type=int, default=DEFAULT_TREE_NODES,
                    help="rule tree: draft-tree nodes M verified per step (best-first over the lattice)")
     p.add_argument("--draft-length", default=None,

@@ -24,19 +24,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch_invariant import invariant_attention, padded_keys
+from .config import CPU_GEMM_PRECISIONS, PRECISIONS
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary, with_yarn
+
+# precisions whose CPU target loads batch-invariant by default (`_make_batch_invariant`): bf16, and
+# bf16-gemm, whose rounding of every GEMM input to bf16 turns a float32 reduction-order difference
+# upstream (PyTorch's attention over 1 query against 8) into a whole bf16 step
+BATCH_INVARIANT_PRECISIONS = ("bfloat16", "bf16-gemm")
 
 __all__ = ["TargetConfig", "TargetModel", "TargetOutput", "load_target", "precision_variant", "resolve_dtype",
            "resolve_precision",
            "PRECISIONS", "SUPPORTED_MODEL_TYPES"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
-
-# Serving precisions of the target. "fp16-weights": weight matrices rounded to fp16 and multiplied
-# by fbgemm's fp16-weight GEMM, activations and everything else in float32 (CPU only; see
-# lilicorr/fp16_linear.py). The others are plain torch dtypes for every tensor.
-PRECISIONS = ("float32", "bfloat16", "float16", "fp16-weights")
 
 
 @dataclass
@@ -140,6 +141,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.invariant_attention = False    # batch-invariant mode (lilicorr.batch_invariant)
+        self.attention_kernel = None        # that mode's attention where not `invariant_attention` (bf16-gemm's)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 cache: KVCache | None, layer: int, rows: Any, plan: Any, upto: int) -> torch.Tensor:
@@ -158,7 +160,7 @@ class Attention(nn.Module):
             cache.write(layer, rows, k, v, plan=plan)
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
         if self.invariant_attention:
-            y = invariant_attention(q.transpose(1, 2), k, v, mask)                   # [N, hq, T, D]
+            y = (self.attention_kernel or invariant_attention)(q.transpose(1, 2), k, v, mask)  # [N, hq, T, D]
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                enable_gqa=self.n_kv != self.n_head)  # [N, hq, T, D]
@@ -196,7 +198,7 @@ class TargetModel(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.config = cfg
-        self.fp16_weights = False           # set by load_target(dtype="fp16-weights")
+        self.gemm_precision = ""            # set by load_target: a CPU_GEMM_PRECISIONS name, or "" (plain dtype)
         self.batch_invariant = False        # set by load_target: bf16 on a CPU, checked on this machine
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
@@ -209,8 +211,8 @@ class TargetModel(nn.Module):
     # ------------------------------------------------------------------ helpers
     @property
     def precision(self) -> str:
-        """Serving precision name (PRECISIONS): the weights' dtype, or fp16-weights."""
-        return "fp16-weights" if self.fp16_weights else str(self.embed_tokens.weight.dtype).removeprefix("torch.")
+        """Serving precision name (PRECISIONS): the weights' dtype, or fp16-weights / bf16-gemm."""
+        return self.gemm_precision or str(self.embed_tokens.weight.dtype).removeprefix("torch.")
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Frozen input embedding: ids [...] -> [..., H]."""
@@ -397,31 +399,44 @@ def cpu_has_amx_bf16() -> bool:
 
 def resolve_precision(precision: torch.dtype | str | None, device: str | torch.device = "cpu") -> str:
     """"auto" (or None) -> the serving precision here: bfloat16 on CUDA and on CPUs with AMX-BF16;
-    on other CPUs fp16-weights where fbgemm is available (half the bytes per step, fp32 arithmetic),
-    float32 otherwise. On AMX an 8-token verify costs 1.09 plain steps in bf16 against 1.30 in
-    fp16-weights (results/verify_cost_amx.md), so a served speculative request is faster in bf16
-    although a plain step is slower (results/serving_dtype_cpu: through Triton, `lilicorr` with
-    prompt lookup in bf16 against fp16-weights, and `ar` at concurrency 4). bf16 on a CPU loads
-    batch-invariant (`load_target`), so it stays lossless; where this machine's kernels fail that
-    check, `load_target` serves auto in the CPU's other precision instead. Names in PRECISIONS and
-    torch dtypes pass through (as names)."""
+    on other CPUs bf16-gemm where the CPU has AVX512-BF16 and the kernel can be built (on a 2-core
+    EPYC an 8-token verify costs about 1.3 plain steps against 1.9 in fp16-weights, and the plain
+    step is no slower: results/serving_bf16_gemm_epyc/), else fp16-weights where fbgemm is
+    available (half the bytes per step, fp32 arithmetic), else float32. On AMX an 8-token verify
+    costs 1.09 plain steps in bf16 against 1.30 in fp16-weights (results/verify_cost_amx.md), so a
+    served speculative request is faster in bf16 although a plain step is slower
+    (results/serving_dtype_cpu: through Triton, `lilicorr` with prompt lookup in bf16 against
+    fp16-weights, and `ar` at concurrency 4). bf16 and bf16-gemm on a CPU load batch-invariant
+    (`load_target`), so both stay lossless; where this machine's kernels fail that check,
+    `load_target` serves auto in the CPU's next precision instead. Names in PRECISIONS and torch
+    dtypes pass through (as names)."""
     if precision is None or precision == "auto":
-        if str(device).startswith("cuda") or cpu_has_amx_bf16():
-            return "bfloat16"
-        return _cpu_fallback_precision()
+        return _auto_order(device)[0]
     if isinstance(precision, torch.dtype):
         precision = str(precision).removeprefix("torch.")
     if precision not in PRECISIONS:
         raise ValueError(f"unknown dtype {precision!r}; choose auto, {', '.join(PRECISIONS)}")
-    if precision == "fp16-weights" and str(device).startswith("cuda"):
-        raise ValueError("fp16-weights is a CPU precision (fbgemm); use bfloat16 on CUDA")
+    if precision in CPU_GEMM_PRECISIONS and str(device).startswith("cuda"):
+        raise ValueError(f"{precision} is a CPU precision; use bfloat16 on CUDA")
     return precision
 
 
-def _cpu_fallback_precision() -> str:
-    """auto's CPU precision without bf16: fp16-weights where fbgemm has it, else float32."""
+def _auto_order(device: str | torch.device = "cpu") -> list[str]:
+    """What "auto" tries, in order, until a precision loads lossless (`load_target`): bfloat16 on
+    CUDA; on a CPU bfloat16 where it has AMX-BF16, then `_cpu_fallbacks`' order."""
+    if str(device).startswith("cuda"):
+        return ["bfloat16"]
+    head = ["bfloat16"] if cpu_has_amx_bf16() else []
+    return head + _cpu_fallbacks()
+
+
+def _cpu_fallbacks() -> list[str]:
+    """A CPU's precisions without AMX, best first: bf16-gemm where the CPU has AVX512-BF16 and the
+    kernel can be built, fp16-weights where fbgemm has it, and float32."""
+    from .bf16_gemm import bf16_gemm_available
     from .fp16_linear import fbgemm_fp16_available
-    return "fp16-weights" if fbgemm_fp16_available() else "float32"
+    return ((["bf16-gemm"] if bf16_gemm_available() else []) + (["fp16-weights"] if fbgemm_fp16_available() else [])
+            + ["float32"])
 
 
 def precision_variant(spec: str) -> tuple[str, bool | None]:
@@ -436,25 +451,40 @@ def precision_variant(spec: str) -> tuple[str, bool | None]:
 
 def resolve_dtype(dtype: torch.dtype | str | None, device: str | torch.device = "cpu") -> torch.dtype:
     """The torch dtype of the target's activations (and non-matrix weights) under `resolve_precision`:
-    fp16-weights computes in float32."""
+    fp16-weights and bf16-gemm compute in float32."""
     name = resolve_precision(dtype, device)
-    return torch.float32 if name == "fp16-weights" else getattr(torch, name)
+    return torch.float32 if name in CPU_GEMM_PRECISIONS else getattr(torch, name)
 
 
 def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu",
                 yarn_factor: float | None = None, batch_invariant: bool | None = None) -> TargetModel:
     """Load an HF folder (config.json + safetensors, single file or sharded) as a frozen TargetModel.
     dtype is a torch dtype, a name in PRECISIONS or "auto" (`resolve_precision`); the model's
-    `precision` attribute records the resolved name. `batch_invariant` (default: bf16 on a CPU)
-    switches on `lilicorr.batch_invariant`'s mode, so a k-token verify decides as k one-token steps
-    would; it is checked on this machine's kernels first, and a bf16 target whose kernels fail the
-    check keeps PyTorch's own (with a warning: greedy speculative output may then differ from plain
-    greedy decoding on near-ties), except under "auto", which then loads the CPU's other precision
-    (`_cpu_fallback_precision`) so that auto is always lossless."""
-    path = Path(path)
+    `precision` attribute records the resolved name. `batch_invariant` (default: bf16 and bf16-gemm
+    on a CPU) switches on `lilicorr.batch_invariant`'s mode, so a k-token verify decides as k
+    one-token steps would; it is checked on this machine's kernels first, and a target whose kernels
+    fail the check keeps PyTorch's own (with a warning: greedy speculative output may then differ
+    from plain greedy decoding on near-ties), except under "auto", which then loads the next
+    precision of `_auto_order` (bf16 -> bf16-gemm -> fp16-weights -> float32 on a CPU) so that
+    auto is always lossless."""
+    if not (dtype is None or dtype == "auto"):
+        return _load_precision(Path(path), resolve_precision(dtype, device), device, yarn_factor, batch_invariant)
+    import warnings
+    order = _auto_order(device)
+    for name, after in zip(order, order[1:] + [None]):
+        model = _load_precision(Path(path), name, device, yarn_factor, batch_invariant, warn=after is None)
+        checked = batch_invariant is not False and name in BATCH_INVARIANT_PRECISIONS
+        if after is None or not checked or model.batch_invariant:
+            return model
+        warnings.warn(f"{name} kernels on this machine are not batch-invariant: dtype auto serves {after}",
+                      RuntimeWarning, stacklevel=2)
+    raise AssertionError("unreachable: the last precision of the auto order is returned")
+
+
+def _load_precision(path: Path, precision: str, device: str | torch.device, yarn_factor: float | None,
+                    batch_invariant: bool | None, warn: bool = True) -> TargetModel:
+    """`load_target` at one resolved precision name; `warn`: warn where batch-invariant mode fails."""
     cfg = TargetConfig.from_hf_dir(path)
-    auto = dtype is None or dtype == "auto"
-    precision = resolve_precision(dtype, device)
     dtype = resolve_dtype(precision, device)
     sd = {k: v.to(dtype) for k, v in hf_to_native(_read_safetensors(path), cfg).items()}
     if cfg.tie_word_embeddings:
@@ -471,18 +501,15 @@ def load_target(path: str | os.PathLike, dtype: torch.dtype | str = torch.float3
     if precision == "fp16-weights":
         from .fp16_linear import use_fp16_weights
         use_fp16_weights(model)
-        model.fp16_weights = True
+    elif precision == "bf16-gemm":
+        from .bf16_gemm import use_bf16_gemm
+        use_bf16_gemm(model)
+    if precision in CPU_GEMM_PRECISIONS:
+        model.gemm_precision = precision
     if batch_invariant is None:
-        batch_invariant = precision == "bfloat16" and torch.device(device).type == "cpu"
+        batch_invariant = precision in BATCH_INVARIANT_PRECISIONS and torch.device(device).type == "cpu"
     if batch_invariant:
-        fallback = auto and precision == "bfloat16"       # auto on an AMX CPU (CUDA never gets here)
-        _make_batch_invariant(model, warn=not fallback)
-        if fallback and not model.batch_invariant:
-            import warnings
-            other = _cpu_fallback_precision()
-            warnings.warn(f"bfloat16 kernels on this machine are not batch-invariant: dtype auto serves {other}",
-                          RuntimeWarning, stacklevel=2)
-            return load_target(path, other, device, yarn_factor)
+        _make_batch_invariant(model, warn=warn)
     return model.eval()
 
 

@@ -28,3 +28,13 @@ if spec and spec.submodule_search_locations:
 PY
   touch "$stamp"
 fi
+# the bf16-gemm CPU kernel (lilicorr/csrc, what `--dtype auto` serves on AVX512-BF16 CPUs without
+# AMX) is compiled on first use; build it now where this CPU can run it, so no server or test waits
+python - <<'PY'
+from lilicorr.bf16_gemm import _missing, kernels
+why = _missing()
+if why:
+    print(f"bf16-gemm kernel not built: {why} (the target serves another precision)")
+else:
+    kernels()
+PY

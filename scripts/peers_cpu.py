@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=6)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--settings", default="float32:1,bfloat16:2,fp16-weights:1,fp16-weights:2",
-                   help="precision:threads,... (HF runs only at torch dtypes; fp16-weights is ours)")
+                   help="precision:threads,... (HF runs only at torch dtypes; fp16-weights and bf16-gemm are ours)")
     p.add_argument("--triton-settings", default=None,
                    help="with --engine: the settings served through Triton (default: all of --settings)")
     p.add_argument("--systems", default=",".join(HF_SYSTEMS + OUR_SYSTEMS))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lilicorr import profiling
+from lilicorr.bf16_gemm import _missing as bf16_gemm_missing
 from lilicorr.draft_runner import TorchDraftRunner
 from lilicorr.engine import SpecEngine, length_groups
 from lilicorr.kv_cache import KVCache
@@ -982,6 +983,25 @@ def test_fp16_weights_speculative_equals_ar(tiny_target_dir, family, gemm_thread
         _assert_speculative_equals_ar(target)
     finally:
         set_gemm_threads(0)
+
+
+@pytest.mark.skipif(bool(bf16_gemm_missing()), reason=f"bf16-gemm: {bf16_gemm_missing()}")
+@pytest.mark.parametrize("family,threads", [(f, 1) for f in FAMILIES] + [("llama", 2)])
+def test_bf16_gemm_speculative_equals_ar(tiny_target_dir, family, threads):
+    """With the target as bf16-gemm (bf16 weights and GEMM inputs, fp32 sums in a fixed order, each
+    query's attention on its own) a k-token verify and a 1-token step give each row the same bits:
+    greedy output of every speculative rule equals greedy `ar` of the same target token for token,
+    with multi-token acceptance exercised (tau > 1.5), at 1 thread and with the kernel's columns
+    split over 2."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        target = load_target(tiny_target_dir(family), dtype="bf16-gemm")
+        # batch-invariant by default: its attention (`fused_attention`) passed the load-time check
+        assert target.precision == "bf16-gemm" and target.batch_invariant
+        _assert_speculative_equals_ar(target)
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

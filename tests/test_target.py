@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from lilicorr.bf16_gemm import _missing as bf16_gemm_missing
 from lilicorr.kv_cache import KVCache
 from lilicorr.rope import RotaryEmbedding, with_yarn
 from lilicorr.target import TargetConfig, load_target
@@ -117,6 +118,112 @@ def test_fp16_weights_are_transformers_on_fp16_rounded_matrices(tiny_target_dir,
     assert float((fp32 - out.logits).abs().max()) > 0
 
 
+needs_bf16_gemm = pytest.mark.skipif(bool(bf16_gemm_missing()), reason=f"bf16-gemm: {bf16_gemm_missing()}")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("family,overrides", [("qwen3", {}), ("llama", {"tie_word_embeddings": True}),
+                                              ("qwen2", {})])
+@torch.no_grad()
+def test_bf16_gemm_is_transformers_on_bf16_rounded_matrices_and_gemm_inputs(tiny_target_dir, family, overrides):
+    """precision bf16-gemm is what it says: transformers in fp32 with every weight matrix (linears
+    and the embedding) rounded to bf16 and every linear's input rounded to bf16 gives the same logits
+    and argmax. Norms, biases, attention and the residual stream stay fp32; a tied embedding is
+    rounded once and still shared. "The same" up to fp32 reduction order, which rounding an input to
+    bf16 can turn into one bf16 step where a value sits on a rounding boundary: so the bound is that
+    the reference is several times closer than transformers with the weights rounded alone."""
+    from lilicorr.bf16_gemm import BF16GemmLinear, bf16_exact
+    path = tiny_target_dir(family, **overrides)
+    ours, ref = load_target(path, dtype="bf16-gemm"), _hf(path)
+    assert ours.precision == "bf16-gemm"
+    assert isinstance(ours.lm_head, BF16GemmLinear) and isinstance(ours.layers[0].mlp.down_proj, BF16GemmLinear)
+    assert ours.embed_tokens.weight.dtype == torch.float32 and bf16_exact(ours.embed_tokens.weight)
+    assert (ours.lm_head.weight is ours.embed_tokens.weight) == bool(overrides.get("tie_word_embeddings"))
+    weights_only = _hf(path)
+    for model in (ref, weights_only):
+        for name, w in model.named_parameters():
+            if w.dim() == 2:
+                w.copy_(w.bfloat16().float())
+    for m in ref.modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_pre_hook(lambda mod, args: (args[0].bfloat16().float(),) + tuple(args[1:]))
+    ids = torch.randint(0, ours.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    out = ours(ids, _positions(2, 11))
+    assert out.logits.dtype == torch.float32
+    want = ref(ids).logits
+    assert torch.equal(out.logits.argmax(-1), want.argmax(-1))
+    err, other = (float((out.logits - r).abs().max()) for r in (want, weights_only(ids).logits))
+    assert err <= 0.4 * other, (err, other)
+    fp16 = load_target(path, dtype="fp16-weights")(ids, _positions(2, 11)).logits   # and it is not fp16-weights
+    assert float((fp16 - out.logits).abs().max()) > 0
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_kernel_rows_are_independent_of_the_call():
+    """The bf16 kernel: fp32 sums of bf16-rounded products (against a float64 reference), any shape
+    (odd inputs, outputs not a multiple of its 48-column groups, a bias or none, [..., I] inputs),
+    and every output row the same bits whatever rows share the call and at 1 or 2 threads: what
+    makes a k-token verify decide as k one-token steps. Bad inputs are refused with a reason."""
+    from lilicorr.bf16_gemm import PackedBF16, kernels
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for out_f, in_f, with_bias in [(96, 64, False), (37, 101, True), (576, 576, True), (2000, 48, False)]:
+            w = torch.randn(out_f, in_f, generator=g) * 0.05
+            bias = torch.randn(out_f, generator=g) if with_bias else None
+            x = torch.randn(19, in_f, generator=g)
+            gemm = PackedBF16(w, bias)
+            torch.set_num_threads(1)
+            full = gemm(x)                                                   # [19, O]
+            want = x.bfloat16().double() @ w.bfloat16().double().T + (bias.double() if with_bias else 0)
+            assert full.dtype == torch.float32 and full.shape == (19, out_f)
+            assert float((full.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()) * in_f ** 0.5
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for lo, hi in [(0, 1), (4, 5), (0, 8), (3, 12), (0, 16), (2, 19), (18, 19)]:
+                    assert torch.equal(gemm(x[lo:hi]), full[lo:hi]), (out_f, in_f, threads, lo, hi)
+                assert torch.equal(gemm(x[:6].reshape(2, 3, in_f)), full[:6].reshape(2, 3, out_f))
+            assert gemm(x[:0]).shape == (0, out_f)
+        with pytest.raises(RuntimeError, match="features"):
+            gemm(torch.randn(2, in_f + 2))
+        with pytest.raises(RuntimeError, match="2-D"):
+            kernels().pack(torch.randn(3))
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_bf16_gemm
+def test_bf16_gemm_attention_computes_each_query_alone():
+    """bf16-gemm's attention kernel (`fused_attention`): `invariant_attention`'s result to float32
+    rounding, for head sizes that are and are not a multiple of 16, grouped-query layouts and a
+    per-row mask; and each query's bits the same when it is computed alone, over fewer keys read
+    (masked keys are skipped, not added as zeros), on 1 or 2 threads. Bad shapes are refused."""
+    from lilicorr.batch_invariant import invariant_attention
+    from lilicorr.bf16_gemm import fused_attention
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    try:
+        for d, hq, hkv in [(64, 9, 3), (24, 4, 2), (128, 2, 2)]:
+            q = torch.randn(2, hq, 5, d, generator=g) * 2
+            k, v = (torch.randn(2, hkv, 256, d, generator=g) for _ in range(2))
+            seen = torch.tensor([[100, 101, 102, 103, 104], [50, 51, 52, 53, 54]])                 # [N, T]
+            mask = torch.zeros(2, 1, 5, 256).masked_fill_(torch.arange(256) >= seen[:, None, :, None], float("-inf"))
+            torch.set_num_threads(1)
+            together = fused_attention(q, k, v, mask)                                             # [N, hq, T, D]
+            want = invariant_attention(q, k, v, mask)
+            assert float((together - want).abs().max()) <= 1e-5 * float(want.abs().max())
+            for threads in (1, 2):
+                torch.set_num_threads(threads)
+                for t in range(5):
+                    alone = fused_attention(q[:, :, t:t + 1], k[:, :, :128], v[:, :, :128], mask[:, :, t:t + 1, :128])
+                    assert torch.equal(alone, together[:, :, t:t + 1]), (d, threads, t)
+                assert torch.equal(fused_attention(q[1:], k[1:], v[1:], mask[1:]), together[1:])
+        with pytest.raises(RuntimeError, match="shapes do not fit"):
+            fused_attention(q[:, :1], k, v, mask)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_packed_fp16_gives_the_same_bits_on_one_thread_and_two():
     """`PackedFP16` runs fbgemm's one-thread op at 1 thread and the quantized engine's parallel op
     above; every output row is the same bits either way, at every number of rows (so a k-token
@@ -153,13 +260,20 @@ def test_packed_fp16_gives_the_same_bits_on_one_thread_and_two():
 
 
 def test_precision_names_resolve(monkeypatch):
-    """auto: bf16 on CUDA and on CPUs with AMX-BF16; on other CPUs fp16-weights where fbgemm has it,
-    else fp32, also with AVX512-BF16 alone; fp16-weights computes in float32 and is refused on CUDA;
-    unknown names are refused; NAME:plain asks for PyTorch's own kernels."""
+    """auto: bf16 on CUDA and on CPUs with AMX-BF16; on other CPUs bf16-gemm where the CPU has
+    AVX512-BF16 and the kernel can be built, else fp16-weights where fbgemm has it, else fp32;
+    fp16-weights and bf16-gemm compute in float32 and are refused on CUDA; unknown names are
+    refused; NAME:plain asks for PyTorch's own kernels."""
+    import lilicorr.bf16_gemm as bg
     import lilicorr.fp16_linear as fl
     import lilicorr.target as tg
     assert tg.resolve_precision("auto", "cuda") == "bfloat16" and tg.resolve_dtype("auto", "cuda") == torch.bfloat16
     monkeypatch.setattr(tg, "cpu_has_amx_bf16", lambda: False)
+    monkeypatch.setattr(bg, "bf16_gemm_available", lambda: True)
+    assert tg.resolve_precision("auto") == "bf16-gemm" and tg.resolve_dtype("auto") == torch.float32
+    with pytest.raises(ValueError, match="CPU precision"):
+        tg.resolve_precision("bf16-gemm", "cuda")
+    monkeypatch.setattr(bg, "bf16_gemm_available", lambda: False)
     monkeypatch.setattr(tg, "cpu_has_native_bf16", lambda: False)
     monkeypatch.setattr(fl, "fbgemm_fp16_available", lambda: True)
     assert tg.resolve_precision(None) == "fp16-weights" and tg.resolve_dtype("auto") == torch.float32
@@ -647,8 +761,9 @@ def test_sharded_checkpoint_loads(tiny_target_dir, tmp_path):
 def test_auto_on_amx_falls_back_where_bf16_kernels_fail(tiny_target_dir, monkeypatch):
     """auto on an AMX CPU loads bf16, batch-invariant (lossless). On a machine whose bf16 kernels
     fail the batch-invariance check (made to fail here: the check's verdict is the only thing
-    replaced), auto loads the CPU's other precision with a warning instead of serving a lossy bf16;
-    bf16 asked for by name keeps PyTorch's kernels and warns, as before."""
+    replaced), auto goes down its order with a warning per step instead of serving a lossy target:
+    past bf16 and (where this CPU has it) bf16-gemm, which needs the same check, to the first
+    precision that needs none; bf16 asked for by name keeps PyTorch's kernels and warns, as before."""
     import lilicorr.batch_invariant as bi
     import lilicorr.target as tg
     path = tiny_target_dir("llama")
@@ -657,9 +772,12 @@ def test_auto_on_amx_falls_back_where_bf16_kernels_fail(tiny_target_dir, monkeyp
     if model.precision == "bfloat16":           # this machine's kernels passed the real check
         assert model.batch_invariant
     monkeypatch.setattr(bi, "check_batch_invariant", lambda m: ["linear: rows differ (forced)"])
-    with pytest.warns(RuntimeWarning, match="dtype auto serves"):
+    with pytest.warns(RuntimeWarning, match="dtype auto serves") as warned:
         model = load_target(path, dtype="auto")
-    assert model.precision == tg._cpu_fallback_precision() and not model.batch_invariant
+    unchecked = [p for p in tg._cpu_fallbacks() if p not in tg.BATCH_INVARIANT_PRECISIONS]
+    assert model.precision == unchecked[0] and not model.batch_invariant
+    steps = [str(w.message) for w in warned if "dtype auto serves" in str(w.message)]
+    assert len(steps) == 1 + ("bf16-gemm" in tg._cpu_fallbacks()), steps
     with pytest.warns(RuntimeWarning, match="not batch-invariant"):
         named = load_target(path, dtype="bfloat16")
     assert named.precision == "bfloat16" and not named.batch_invariant

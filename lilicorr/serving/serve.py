@@ -21,6 +21,7 @@ import tempfile
 import threading
 from pathlib import Path
 
+from lilicorr.config import DTYPE_CHOICES
 from lilicorr.ngram import parse_prompt_lookup
 
 from .launcher import REPO_TMP_PREFIX, ServerStartError, TritonServer, find_tritonserver
@@ -57,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="largest text_input / messages_json in bytes, refused before tokenising")
     eng.add_argument("--default-rule", default="lilicorr", choices=DECODE_RULES)
     eng.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    eng.add_argument("--dtype", default="", choices=("", "auto", "float32", "bfloat16", "float16", "fp16-weights"),
+    eng.add_argument("--dtype", default="", choices=("",) + DTYPE_CHOICES,
                      help="target precision (default: the engine manifest's serving choice, else auto)")
     eng.add_argument("--draft-length", default="",
                      help="drafted tokens verified per step: N or auto (default: the manifest's, else the whole block)")
