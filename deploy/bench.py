@@ -62,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the manifest's serving choice, else off)")
     p.add_argument("--threads", type=int, default=0, help="with --engine: torch threads of the engine (0: default)")
     p.add_argument("--gemm-threads", type=int, default=0,
-                   help="with --engine: threads of the target's multi-token fp16-weight GEMMs (0: default)")
+                   help="with --engine: threads of the target's multi-token GEMMs (fp16-weights: 2+ tokens; "
+                        "bf16-gemm: 32+) (0: default)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be positive, got {args.repeats}")

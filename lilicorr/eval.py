@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "followed them instead of drafting (0: off, the default)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     p.add_argument("--gemm-threads", type=int, default=0,
-                   help="threads of the fp16-weights target's multi-token GEMMs (a verify, a prefill, several "
-                        "rows; 0: --threads)")
+                   help="threads of the target's multi-token GEMMs: fp16-weights' of 2+ tokens (a verify, a "
+                        "prefill, several rows), bf16-gemm's GEMMs and attention of 32+ (a prefill, many rows); "
+                        "0: --threads")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per rule before timing (0: none)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed passes per suite, the rules in turn and in reverse order every other pass "

@@ -57,8 +57,9 @@ _gemm_threads = 0          # threads of a GEMM over more than one token; 0: torc
 
 def set_gemm_threads(n: int) -> None:
     """Threads for the fp16-weight GEMMs of more than one token (a verify, a prefill, several rows),
-    whatever torch's own thread count: 0 follows `torch.get_num_threads()`. A 1-token GEMM cannot be
-    split and always runs on one thread. A process-wide setting, like torch's thread count."""
+    and for bf16-gemm's GEMMs and attention of `bf16_gemm.PARALLEL_ROWS` tokens or more, whatever
+    torch's own thread count: 0 follows `torch.get_num_threads()`. A 1-token GEMM cannot be split
+    and always runs on one thread. A process-wide setting, like torch's thread count."""
     global _gemm_threads
     if n < 0:
         raise ValueError(f"GEMM threads {n}: must be >= 0 (0: torch's thread count)")

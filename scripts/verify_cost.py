@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from lilicorr.config import CPU_GEMM_PRECISIONS
 from lilicorr.costmodel import measure_forward_times
 from lilicorr.fp16_linear import set_gemm_threads
 from lilicorr.results_io import save_figure
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
                    help="target precisions (PRECISIONS; NAME:plain keeps PyTorch's own kernels, see lilicorr.batch_invariant)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--gemm-threads", default="0",
-                   help="comma list: threads of fp16-weights' multi-token GEMMs, each beside every --threads "
+                   help="comma list: threads of the multi-token GEMMs (fp16-weights: 2+ tokens; bf16-gemm: 32+), each beside every --threads "
                         "(0: torch's thread count; `lilicorr.fp16_linear.set_gemm_threads`)")
     p.add_argument("--note", default="", help="free text for the results file (e.g. 'machine shared')")
     args = p.parse_args(argv)
@@ -88,9 +89,9 @@ def main(argv=None) -> int:
         targets[d] = load_target(args.target, dtype=name, batch_invariant=invariant)
     gemm = [int(g) for g in args.gemm_threads.split(",")]
     ks = range(1, args.max_k + 1)
-    # setting: (precision, torch threads, GEMM threads); GEMM threads only vary fp16-weights' kernels
+    # setting: (precision, torch threads, GEMM threads); GEMM threads only vary the CPU GEMM kernels'
     settings = [(d, t, g) for d in dtypes for t in threads
-                for g in (gemm if precision_variant(d)[0] == "fp16-weights" else [0])]
+                for g in (gemm if precision_variant(d)[0] in CPU_GEMM_PRECISIONS else [0])]
     per_round: dict[tuple[str, int, int], list[dict[int, float]]] = {st: [] for st in settings}
     for r in range(args.rounds):
         for (d, t, g), acc in per_round.items():

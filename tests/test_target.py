@@ -162,33 +162,41 @@ def test_bf16_gemm_is_transformers_on_bf16_rounded_matrices_and_gemm_inputs(tiny
 def test_bf16_gemm_kernel_rows_are_independent_of_the_call():
     """The bf16 kernel: fp32 sums of bf16-rounded products (against a float64 reference), any shape
     (odd inputs, outputs not a multiple of its 48-column groups, a bias or none, [..., I] inputs),
-    and every output row the same bits whatever rows share the call and at 1 or 2 threads: what
-    makes a k-token verify decide as k one-token steps. Bad inputs are refused with a reason."""
-    from lilicorr.bf16_gemm import PackedBF16, kernels
+    and every output row the same bits whatever rows share the call and on 1 or 2 threads (calls of
+    PARALLEL_ROWS rows or more split their columns over torch's threads, or over `set_gemm_threads`'
+    count with torch on one): what makes a k-token verify decide as k one-token steps, and a prefill
+    as the steps it replaces. Bad inputs are refused with a reason."""
+    from lilicorr.bf16_gemm import PARALLEL_ROWS, PackedBF16, kernels
+    from lilicorr.fp16_linear import set_gemm_threads
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
+    rows = PARALLEL_ROWS + 9
     try:
         for out_f, in_f, with_bias in [(96, 64, False), (37, 101, True), (576, 576, True), (2000, 48, False)]:
             w = torch.randn(out_f, in_f, generator=g) * 0.05
             bias = torch.randn(out_f, generator=g) if with_bias else None
-            x = torch.randn(19, in_f, generator=g)
+            x = torch.randn(rows, in_f, generator=g)
             gemm = PackedBF16(w, bias)
             torch.set_num_threads(1)
-            full = gemm(x)                                                   # [19, O]
+            full = gemm(x)                                                   # [rows, O]
             want = x.bfloat16().double() @ w.bfloat16().double().T + (bias.double() if with_bias else 0)
-            assert full.dtype == torch.float32 and full.shape == (19, out_f)
+            assert full.dtype == torch.float32 and full.shape == (rows, out_f)
             assert float((full.double() - want).abs().max()) <= 1e-5 * float(want.abs().max()) * in_f ** 0.5
-            for threads in (1, 2):
+            for threads, gemm_threads in [(1, 0), (2, 0), (1, 2)]:
                 torch.set_num_threads(threads)
-                for lo, hi in [(0, 1), (4, 5), (0, 8), (3, 12), (0, 16), (2, 19), (18, 19)]:
-                    assert torch.equal(gemm(x[lo:hi]), full[lo:hi]), (out_f, in_f, threads, lo, hi)
+                set_gemm_threads(gemm_threads)
+                for lo, hi in [(0, 1), (4, 5), (0, 8), (3, 12), (0, 16), (2, 19), (18, 19), (0, rows), (5, rows)]:
+                    assert torch.equal(gemm(x[lo:hi]), full[lo:hi]), (out_f, in_f, threads, gemm_threads, lo, hi)
                 assert torch.equal(gemm(x[:6].reshape(2, 3, in_f)), full[:6].reshape(2, 3, out_f))
+                assert torch.get_num_threads() == threads                   # raised for the call alone
+            set_gemm_threads(0)
             assert gemm(x[:0]).shape == (0, out_f)
         with pytest.raises(RuntimeError, match="features"):
             gemm(torch.randn(2, in_f + 2))
         with pytest.raises(RuntimeError, match="2-D"):
             kernels().pack(torch.randn(3))
     finally:
+        set_gemm_threads(0)
         torch.set_num_threads(before)
 
 
@@ -197,30 +205,38 @@ def test_bf16_gemm_attention_computes_each_query_alone():
     """bf16-gemm's attention kernel (`fused_attention`): `invariant_attention`'s result to float32
     rounding, for head sizes that are and are not a multiple of 16, grouped-query layouts and a
     per-row mask; and each query's bits the same when it is computed alone, over fewer keys read
-    (masked keys are skipped, not added as zeros), on 1 or 2 threads. Bad shapes are refused."""
+    (masked keys are skipped, not added as zeros), on 1 or 2 threads (a call of PARALLEL_ROWS
+    queries or more splits them over threads). Bad shapes are refused."""
     from lilicorr.batch_invariant import invariant_attention
-    from lilicorr.bf16_gemm import fused_attention
+    from lilicorr.bf16_gemm import PARALLEL_ROWS, fused_attention
+    from lilicorr.fp16_linear import set_gemm_threads
     g = torch.Generator().manual_seed(0)
     before = torch.get_num_threads()
+    t_len = PARALLEL_ROWS // 2 + 4                      # queries per row: 2 rows together split, one alone not
     try:
         for d, hq, hkv in [(64, 9, 3), (24, 4, 2), (128, 2, 2)]:
-            q = torch.randn(2, hq, 5, d, generator=g) * 2
+            q = torch.randn(2, hq, t_len, d, generator=g) * 2
             k, v = (torch.randn(2, hkv, 256, d, generator=g) for _ in range(2))
-            seen = torch.tensor([[100, 101, 102, 103, 104], [50, 51, 52, 53, 54]])                 # [N, T]
-            mask = torch.zeros(2, 1, 5, 256).masked_fill_(torch.arange(256) >= seen[:, None, :, None], float("-inf"))
+            seen = torch.tensor([[100], [50]]) + torch.arange(t_len)                               # [N, T]
+            mask = torch.zeros(2, 1, t_len, 256).masked_fill_(torch.arange(256) >= seen[:, None, :, None],
+                                                              float("-inf"))
             torch.set_num_threads(1)
             together = fused_attention(q, k, v, mask)                                             # [N, hq, T, D]
             want = invariant_attention(q, k, v, mask)
             assert float((together - want).abs().max()) <= 1e-5 * float(want.abs().max())
-            for threads in (1, 2):
+            for threads, gemm_threads in [(1, 0), (2, 0), (1, 2)]:
                 torch.set_num_threads(threads)
-                for t in range(5):
+                set_gemm_threads(gemm_threads)
+                assert torch.equal(fused_attention(q, k, v, mask), together), (d, threads, gemm_threads)
+                for t in range(t_len):
                     alone = fused_attention(q[:, :, t:t + 1], k[:, :, :128], v[:, :, :128], mask[:, :, t:t + 1, :128])
                     assert torch.equal(alone, together[:, :, t:t + 1]), (d, threads, t)
                 assert torch.equal(fused_attention(q[1:], k[1:], v[1:], mask[1:]), together[1:])
+            set_gemm_threads(0)
         with pytest.raises(RuntimeError, match="shapes do not fit"):
             fused_attention(q[:, :1], k, v, mask)
     finally:
+        set_gemm_threads(0)
         torch.set_num_threads(before)
 
 

@@ -26,6 +26,7 @@ constexpr int64_t kBlock = 16;           // output columns per 512-bit accumulat
 constexpr int kGroup = 3;                // column blocks per packed group (48 columns)
 constexpr int64_t kGroupCols = kBlock * kGroup;
 constexpr int kRows = 8;                 // rows per register tile: 8 x 3 = 24 accumulators
+constexpr int64_t kParallelRows = 32;    // rows (GEMM) or queries (attention) from which a call splits
 
 // Packed weight: [groups][KP][kGroup][16][2] bf16 (KP = K/2 rounded up), as int16 (bf16 bits).
 // A group is one contiguous stream of KP x 192 bytes, read front to back by every tile of it.
@@ -152,7 +153,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::opti
   const __m512bh* w = (const __m512bh*)packed.data_ptr();
   float* yp = y.data_ptr<float>();
   const int64_t used = (N + kGroupCols - 1) / kGroupCols;
-  at::parallel_for(0, used, 4, [&](int64_t g0, int64_t g1) { run_groups(xp, M, KP, w, yp, N, g0, g1, b); });
+  // column groups split over torch's threads only for a call of kParallelRows rows or more: below
+  // that, a fork and join per GEMM cost more than the split saves. Each output element is computed
+  // the same way on any thread.
+  const int64_t grain = M >= kParallelRows ? 4 : used;
+  at::parallel_for(0, used, grain, [&](int64_t g0, int64_t g1) { run_groups(xp, M, KP, w, yp, N, g0, g1, b); });
   return y.view(out_shape);
 }
 
@@ -280,7 +285,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   const int64_t vs0 = v.stride(0), vs1 = v.stride(1), vs2 = v.stride(2);
   const int64_t ms0 = mask.size(0) == 1 ? 0 : mask.stride(0), ms2 = mask.stride(2), ms3 = mask.stride(3);
   const float sc = (float)scale;
-  at::parallel_for(0, N * HKV * groups, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t items = N * HKV * groups;                   // split over threads from kParallelRows queries
+  at::parallel_for(0, items, N * T >= kParallelRows ? 1 : items, [&](int64_t i0, int64_t i1) {
     std::vector<float> score((size_t)(QB * S));
     const float* qrow[kMaxGroup];
     const float* mrow[kMaxGroup];

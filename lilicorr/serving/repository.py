@@ -140,7 +140,7 @@ class ServeOptions:
     pre_instances: int = 1
     post_instances: int = 1
     num_threads: int = 0                # torch threads in the engine stub (0: `engine_threads()`)
-    gemm_threads: int = 0               # threads of fp16-weights' multi-token GEMMs (0: the engine's torch threads)
+    gemm_threads: int = 0               # multi-token GEMMs' threads (set_gemm_threads; 0: the engine's torch threads)
     draft_backend: str | None = None    # override the manifest's backend
     chat_template: bool = True          # preprocessing applies the chat template to text_input
     profile: bool = False               # time the Table 3 stages in the engine thread (-> /metrics)

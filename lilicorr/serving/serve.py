@@ -72,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="torch threads in the engine (0: every core this process may use but one, "
                           "which the server's own threads need)")
     eng.add_argument("--gemm-threads", type=int, default=0,
-                     help="threads of the target's multi-token fp16-weight GEMMs (a verify, a prefill, several "
-                          "rows; 0: --num-threads). Through Triton on 2 cores, 2 measured slower than 1 "
-                          "(results/gemm_threads_epyc/)")
+                     help="threads of the target's multi-token GEMMs: fp16-weights' of 2+ tokens (a verify, a "
+                          "prefill, several rows; through Triton on 2 cores 2 measured slower than 1: "
+                          "results/gemm_threads_epyc/), bf16-gemm's GEMMs and attention of 32+ (a prefill, "
+                          "many rows) (0: --num-threads)")
     eng.add_argument("--no-chat-template", action="store_true",
                      help="tokenize text_input raw instead of as a chat user message")
     eng.add_argument("--profile", action="store_true",
