@@ -64,11 +64,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gemm-threads", type=int, default=0,
                    help="with --engine: threads of the target's multi-token GEMMs (fp16-weights: 2+ tokens; "
                         "bf16-gemm: 32+) (0: default)")
+    p.add_argument("--prefill-threads", type=int, default=0,
+                   help="with --engine: GEMM threads while prefilling new requests (0: --gemm-threads)")
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error(f"--repeats must be positive, got {args.repeats}")
-    if args.threads < 0 or args.gemm_threads < 0:
-        p.error("--threads and --gemm-threads must be >= 0")
+    if args.threads < 0 or args.gemm_threads < 0 or args.prefill_threads < 0:
+        p.error("--threads, --gemm-threads and --prefill-threads must be >= 0")
 
     concurrencies = parse_list(args.concurrency, int)
     rules = parse_list(args.rules)
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                             ServeOptions(max_batch=max(concurrencies), profile=args.profile, dtype=args.dtype,
                                          draft_length=args.draft_length, tree_nodes=args.tree_nodes,
                                          prompt_lookup=args.prompt_lookup, num_threads=args.threads,
-                                         gemm_threads=args.gemm_threads))
+                                         gemm_threads=args.gemm_threads, prefill_threads=args.prefill_threads))
         server = TritonServer(repo, startup_timeout=900).start()
         url, metrics_url = server.grpc_url, server.metrics_url
     elif args.url:

@@ -68,6 +68,7 @@ from pathlib import Path
 import torch
 
 from lilicorr.costmodel import CostModel, best_length
+from lilicorr.fp16_linear import gemm_threads_for, prefill_threads
 from lilicorr.lattice import DEFAULT_TREE_NODES, build_tree, tree_attention, tree_size
 from lilicorr.model import RULES, load_model, untrained_model
 from lilicorr.ngram import NgramIndex, parse_prompt_lookup
@@ -486,7 +487,9 @@ class SpecEngine:
         pos = torch.arange(t, device=dev).expand(n, t)
         rows = torch.tensor([s.tslot for s in seqs], device=dev)
         capture = self.capture if any(s.rule != "ar" for s in seqs) else []
-        out = self.target(ids.to(dev), pos, cache=self.cache, rows=rows, valid=lens, capture=capture, logits=False)
+        with gemm_threads_for(prefill_threads()):          # a prompt: the largest GEMMs a server runs
+            out = self.target(ids.to(dev), pos, cache=self.cache, rows=rows, valid=lens, capture=capture,
+                              logits=False)
         last = out.last_hidden[torch.arange(n, device=dev), lens - 1]          # [N, H]
         logits = self.target.lm_head(last).float()                             # [N, V]
         events = []

@@ -89,6 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads of the target's multi-token GEMMs: fp16-weights' of 2+ tokens (a verify, a "
                         "prefill, several rows), bf16-gemm's GEMMs and attention of 32+ (a prefill, many rows); "
                         "0: --threads")
+    p.add_argument("--prefill-threads", type=int, default=0,
+                   help="GEMM threads while prefilling (0: --gemm-threads)")
     p.add_argument("--warmup", type=int, default=1, help="warm-up prompts per rule before timing (0: none)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed passes per suite, the rules in turn and in reverse order every other pass "
@@ -130,8 +132,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--block-size must be >= 2, got {args.block_size}")
     if args.threads is not None and args.threads <= 0:
         parser.error(f"--threads must be positive, got {args.threads}")
-    if args.gemm_threads < 0:
-        parser.error(f"--gemm-threads must be >= 0, got {args.gemm_threads}")
+    if args.gemm_threads < 0 or args.prefill_threads < 0:
+        parser.error(f"--gemm-threads and --prefill-threads must be >= 0, got {args.gemm_threads}, "
+                     f"{args.prefill_threads}")
     if args.repeats <= 0:
         parser.error(f"--repeats must be positive, got {args.repeats}")
     spec = [r for r in args.rules if r != "ar"]
@@ -336,8 +339,9 @@ def run_eval(args: argparse.Namespace, log=print) -> dict:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    from lilicorr.fp16_linear import set_gemm_threads
+    from lilicorr.fp16_linear import set_gemm_threads, set_prefill_threads
     set_gemm_threads(args.gemm_threads)
+    set_prefill_threads(args.prefill_threads)
     try:
         tok = Tokenizer.from_dir(args.target)
     except (FileNotFoundError, ValueError) as e:
@@ -461,6 +465,7 @@ def _measure_and_write(args, engine, suites, seeds, stop_ids, skipped, log) -> d
             "tree_nodes": args.tree_nodes,
             "threads": torch.get_num_threads(),
             "gemm_threads": fp16_gemm_threads(),
+            "prefill_threads": args.prefill_threads,
             "cpu_count": os.cpu_count(),
             "profile": bool(args.profile),
             "skipped_prompts": skipped,

@@ -17,6 +17,7 @@ the rest of the model (`set_gemm_threads`, `PackedFP16`), with the same bits as 
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -69,6 +70,37 @@ def set_gemm_threads(n: int) -> None:
 def gemm_threads() -> int:
     """The threads a multi-token fp16-weight GEMM runs on now."""
     return _gemm_threads or torch.get_num_threads()
+
+
+_prefill_threads = 0       # the GEMM threads of a prefill; 0: gemm_threads()
+
+
+def set_prefill_threads(n: int) -> None:
+    """GEMM threads while the engine prefills new requests (`SpecEngine._prefill_group`): a prompt
+    is the largest GEMM a server runs, and the only one that runs while no row waits for a verify;
+    0 keeps `gemm_threads()`. A process-wide setting, like `set_gemm_threads`."""
+    global _prefill_threads
+    if n < 0:
+        raise ValueError(f"prefill threads {n}: must be >= 0 (0: the GEMM threads)")
+    _prefill_threads = int(n)
+
+
+def prefill_threads() -> int:
+    """The prefill's GEMM threads now (0: the GEMM threads)."""
+    return _prefill_threads
+
+
+@contextlib.contextmanager
+def gemm_threads_for(n: int):
+    """`set_gemm_threads(n)` for the block alone; n = 0 leaves the setting as it is."""
+    global _gemm_threads
+    before = _gemm_threads
+    if n:
+        _gemm_threads = int(n)
+    try:
+        yield
+    finally:
+        _gemm_threads = before
 
 
 class PackedFP16:

@@ -1,5 +1,6 @@
 # Sourced by the scripts that benchmark the served engine through Triton side by side
-# (scripts/serving_dtype_cpu.sh, scripts/prompt_lookup_cpu.sh, scripts/gemm_threads_cpu.sh): the shared set-up, and
+# (scripts/serving_dtype_cpu.sh, scripts/prompt_lookup_cpu.sh, scripts/gemm_threads_cpu.sh,
+# scripts/prefill_threads_cpu.sh): the shared set-up, and
 #   bench NAME SUITE [deploy/bench.py flags...]
 # one run of the main job's benchmark (deploy/bench.py: the rules taking turns twice per
 # concurrency, greedy, 8 prompts x 64 tokens, stage profile, one fresh server) on $engine, writing

@@ -1004,6 +1004,31 @@ def test_bf16_gemm_speculative_equals_ar(tiny_target_dir, family, threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(bool(bf16_gemm_missing()), reason=f"bf16-gemm: {bf16_gemm_missing()}")
+def test_prefill_threads_split_only_the_prefill_and_change_no_token(tiny_target_dir):
+    """`set_prefill_threads(2)` with torch on one thread: prompts long enough for the bf16-gemm
+    kernel to split (PARALLEL_ROWS tokens) prefill on 2 threads, and every token is the same as
+    with the prefill on one; the GEMM-thread setting is back to its value after each prefill."""
+    from lilicorr.bf16_gemm import PARALLEL_ROWS
+    from lilicorr.fp16_linear import gemm_threads, set_prefill_threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        target = load_target(tiny_target_dir("llama"), dtype="bf16-gemm")
+        prompts = random_prompts((PARALLEL_ROWS + 8, PARALLEL_ROWS + 3, 6), target.config.vocab_size, seed=7)
+        runs = []
+        for threads in (0, 2):
+            set_prefill_threads(threads)
+            runs.append([r.tokens for r in SpecEngine(target, None, max_batch=3).generate(prompts, 12, rule="ar")])
+            assert gemm_threads() == 1
+        assert runs[0] == runs[1]
+        with pytest.raises(ValueError, match="prefill threads"):
+            set_prefill_threads(-1)
+    finally:
+        set_prefill_threads(0)
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_bf16_batch_invariant_speculative_equals_ar(tiny_target_dir, family):
     """With the target in bf16 on a CPU, in batch-invariant mode (`lilicorr.batch_invariant`, on by

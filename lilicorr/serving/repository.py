@@ -141,6 +141,7 @@ class ServeOptions:
     post_instances: int = 1
     num_threads: int = 0                # torch threads in the engine stub (0: `engine_threads()`)
     gemm_threads: int = 0               # multi-token GEMMs' threads (set_gemm_threads; 0: the engine's torch threads)
+    prefill_threads: int = 0            # a prefill's GEMM threads (set_prefill_threads; 0: gemm_threads)
     draft_backend: str | None = None    # override the manifest's backend
     chat_template: bool = True          # preprocessing applies the chat template to text_input
     profile: bool = False               # time the Table 3 stages in the engine thread (-> /metrics)
@@ -177,6 +178,7 @@ def template_vars(spec: EngineSpec, opts: ServeOptions) -> dict[str, str]:
         "post_instances": str(opts.post_instances),
         "num_threads": str(opts.num_threads),
         "gemm_threads": str(opts.gemm_threads),
+        "prefill_threads": str(opts.prefill_threads),
         "chat_template": "true" if opts.chat_template else "false",
         "profile": "true" if opts.profile else "false",
         "extra_parameters": "\n".join(
@@ -270,8 +272,9 @@ def open_engine(params: Mapping[str, str], base_dir: str | os.PathLike | None = 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     n_threads = int(params.get("num_threads") or 0)
     torch.set_num_threads(n_threads if n_threads > 0 else engine_threads())
-    from lilicorr.fp16_linear import set_gemm_threads
+    from lilicorr.fp16_linear import set_gemm_threads, set_prefill_threads
     set_gemm_threads(int(params.get("gemm_threads") or 0))      # 0: torch's, as just set
+    set_prefill_threads(int(params.get("prefill_threads") or 0))
     from lilicorr.target import resolve_precision
     dtype = resolve_precision(params.get("dtype") or "auto", device)
     target_dir = model_path(params, "target_dir", base_dir)

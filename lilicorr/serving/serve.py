@@ -76,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "prefill, several rows; through Triton on 2 cores 2 measured slower than 1: "
                           "results/gemm_threads_epyc/), bf16-gemm's GEMMs and attention of 32+ (a prefill, "
                           "many rows) (0: --num-threads)")
+    eng.add_argument("--prefill-threads", type=int, default=0,
+                     help="GEMM threads while prefilling new requests (0: --gemm-threads)")
     eng.add_argument("--no-chat-template", action="store_true",
                      help="tokenize text_input raw instead of as a chat user message")
     eng.add_argument("--profile", action="store_true",
@@ -126,6 +128,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         default_decode_rule=args.default_rule, device=args.device, dtype=args.dtype,
                         draft_length=args.draft_length, tree_nodes=args.tree_nodes,
                         prompt_lookup=args.prompt_lookup, num_threads=args.num_threads, gemm_threads=args.gemm_threads,
+                        prefill_threads=args.prefill_threads,
                         draft_backend=args.draft_backend,
                         chat_template=not args.no_chat_template, profile=args.profile,
                         max_prompt_bytes=args.max_prompt_bytes, extra_parameters=extra)
