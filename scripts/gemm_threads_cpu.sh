@@ -26,12 +26,4 @@ note="torch threads 1 for every op; the GEMM threads for $dtype's multi-token GE
 run() {  # name, suite, GEMM threads
   bench "$1" "$2" --concurrency "${CONCURRENCY:-1,4,8}" --rules ar,lilicorr --gemm-threads "$3" --dtype "$dtype"
 }
-chat=lilicorr/data/chat_first_turn.jsonl
-runs=()
-for ((r = 1; r <= ${ROUNDS:-2}; r++)); do   # A B, then B A: neither setting always runs first
-  order=("${threads[@]}")
-  ((r % 2 == 0)) && order=($(printf '%s\n' "${threads[@]}" | tac))
-  for g in "${order[@]}"; do run "humaneval-gemm$g-r$r" humaneval "$g"; runs+=("$out/humaneval-gemm$g-r$r.json"); done
-  for g in "${order[@]}"; do run "chat-gemm$g-r$r" "$chat" "$g"; runs+=("$out/chat-gemm$g-r$r.json"); done
-done
-python scripts/results_tables.py bench "${runs[@]}"
+alternating_rounds gemm "${threads[@]}"

@@ -14,12 +14,4 @@ threads=(${THREADS:-1 2})
 run() {  # name, suite, prefill threads
   bench "$1" "$2" --concurrency "${CONCURRENCY:-1,2,4,8}" --rules ar,lilicorr --prefill-threads "$3"
 }
-chat=lilicorr/data/chat_first_turn.jsonl
-runs=()
-for ((r = 1; r <= ${ROUNDS:-2}; r++)); do   # A B, then B A: neither setting always runs first
-  order=("${threads[@]}")
-  ((r % 2 == 0)) && order=($(printf '%s\n' "${threads[@]}" | tac))
-  for p in "${order[@]}"; do run "humaneval-prefill$p-r$r" humaneval "$p"; runs+=("$out/humaneval-prefill$p-r$r.json"); done
-  for p in "${order[@]}"; do run "chat-prefill$p-r$r" "$chat" "$p"; runs+=("$out/chat-prefill$p-r$r.json"); done
-done
-python scripts/results_tables.py bench "${runs[@]}"
+alternating_rounds prefill "${threads[@]}"
