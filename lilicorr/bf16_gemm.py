@@ -28,7 +28,6 @@ toolchain can run it.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import shutil
 from pathlib import Path
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .fp16_linear import gemm_threads
+from .fp16_linear import RoundedWeightLinear, gemm_threads, torch_threads
 
 _SOURCE = Path(__file__).with_name("csrc") / "bf16_gemm.cpp"
 _FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
@@ -96,21 +95,16 @@ def kernels():
                 extra_ldflags=["-fopenmp"])
 
 
-@contextlib.contextmanager
-def _threads_for(rows: int):
-    """A kernel call over `rows` rows (or queries): from PARALLEL_ROWS on it runs on `gemm_threads()`
-    threads (`lilicorr.fp16_linear.set_gemm_threads`, 0: torch's), with torch's count raised to
-    that for the call alone; smaller calls run on one thread whatever the count (the kernel's own
-    rule). Outputs are the same bits on any number of threads."""
-    threads, before = gemm_threads(), torch.get_num_threads()
-    if rows < PARALLEL_ROWS or threads == before:
-        yield
-        return
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+def _run(rows: int, op, *args):
+    """`op(*args)`, a kernel call over `rows` rows (or queries): from PARALLEL_ROWS on it runs on
+    `gemm_threads()` threads (`lilicorr.fp16_linear.set_gemm_threads`, 0: torch's), with torch's
+    count set to that for the call alone; smaller calls run on one thread whatever the count (the
+    kernel's own rule), and go straight to the op (this is every linear of a decode step). Outputs
+    are the same bits on any number of threads."""
+    if rows >= PARALLEL_ROWS:
+        with torch_threads(gemm_threads()):
+            return op(*args)
+    return op(*args)
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -132,33 +126,25 @@ class PackedBF16:
         self.bias = bias.detach().float().contiguous() if bias is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        with _threads_for(x.numel() // max(x.shape[-1], 1)):
-            return kernels().linear(x, self.packed, self.out_features, self.bias)
+        return _run(x.numel() // max(x.shape[-1], 1), kernels().linear, x, self.packed, self.out_features, self.bias)
 
 
-class BF16GemmLinear(nn.Module):
-    """Inference stand-in for an `nn.Linear` on CPU: the weight rounded to bf16 once (in place, so a
-    tied embedding shares the rounding) and packed; forward takes and returns float32."""
+class BF16GemmLinear(RoundedWeightLinear):
+    """`RoundedWeightLinear` in bf16, multiplied by this module's kernel (`PackedBF16`), which also
+    rounds its inputs to bf16."""
+
+    ROUND_TO, KERNEL = torch.bfloat16, "weights and inputs=bf16 (VDPBF16PS)"
 
     def __init__(self, linear: nn.Linear):
-        super().__init__()
         if linear.weight.device.type != "cpu":
             raise ValueError("bf16-gemm linears run on CPU; use bfloat16 on CUDA")
-        w = linear.weight
-        if not bool(torch.isfinite(w.detach()).all()) or float(w.detach().abs().max()) >= BF16_MAX:
+        w = linear.weight.detach()
+        if not bool(torch.isfinite(w).all()) or float(w.abs().max()) >= BF16_MAX:
             raise ValueError(f"a weight of {tuple(w.shape)} is not finite in bf16; use --dtype float32")
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        with torch.no_grad():
-            w.copy_(w.bfloat16().to(w.dtype))                 # the values the kernel multiplies with
-        self.weight = w                                        # [O, I] float32, bf16-exact
-        self.bias = linear.bias
-        self._gemm = PackedBF16(w, linear.bias)                 # not a buffer: stays out of state_dict
+        super().__init__(linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gemm(x)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights and inputs=bf16 (VDPBF16PS)"
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PackedBF16:
+        return PackedBF16(weight, bias)
 
 
 def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -170,8 +156,8 @@ def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     read in place."""
     if mask.dim() == 2:
         mask = mask[None, None]
-    with _threads_for(q.shape[0] * q.shape[2]):                     # N * T queries (per head)
-        out = kernels().attention(q.float(), k.float(), v.float(), mask.float(), q.shape[-1] ** -0.5)
+    out = _run(q.shape[0] * q.shape[2],                              # N * T queries (per head)
+               kernels().attention, q.float(), k.float(), v.float(), mask.float(), q.shape[-1] ** -0.5)
     return out.to(q.dtype)
 
 

@@ -103,6 +103,20 @@ def gemm_threads_for(n: int):
         _gemm_threads = before
 
 
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op thread count set to n for the block alone (a no-op where it already is)."""
+    before = torch.get_num_threads()
+    if before == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class PackedFP16:
     """One fp16-weight matrix packed for fbgemm, run on `gemm_threads()` threads.
 
@@ -139,14 +153,8 @@ class PackedFP16:
             return fp16_linear(x2, self.single(), self.bias).view(*shape, self.out_features)
         if self._parallel is None:
             self._parallel = torch.ops.quantized.linear_prepack_fp16(self.weight.float().contiguous(), self.bias)
-        before = torch.get_num_threads()
-        if before != threads:
-            torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             y = torch.ops.quantized.linear_dynamic_fp16(x2, self._parallel)      # [M, O]
-        finally:
-            if before != threads:
-                torch.set_num_threads(before)
         return y.view(*shape, self.out_features)
 
 
@@ -156,32 +164,52 @@ def fp16_exact(weight: torch.Tensor) -> bool:
     return bool(torch.isfinite(w).all()) and bool(torch.equal(w.half().to(w.dtype), w))
 
 
-class FP16WeightLinear(nn.Module):
-    """Inference stand-in for an `nn.Linear` on CPU: the weight rounded to fp16 once (in place, so a
-    tied embedding shares the rounding) and packed for fbgemm; forward takes and returns float32."""
+class RoundedWeightLinear(nn.Module):
+    """Inference stand-in for an `nn.Linear` on CPU whose weight is rounded to `ROUND_TO` once (in
+    place, so a tied embedding shares the rounding) and multiplied by a packed kernel (`_pack(w,
+    bias)`, not a buffer: it stays out of state_dict); forward takes and returns float32."""
+
+    ROUND_TO: torch.dtype
+    KERNEL = ""                    # for repr
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        if linear.weight.device.type != "cpu":
-            raise ValueError("fp16-weight linears run on CPU (fbgemm); use bfloat16 on CUDA")
-        if not fbgemm_fp16_available():
-            raise RuntimeError("this PyTorch build has no fbgemm fp16 GEMM; use --dtype float32")
         w = linear.weight
-        if float(w.detach().abs().max()) >= FP16_MAX:
-            raise ValueError(f"a weight of {tuple(w.shape)} exceeds fp16's range; use --dtype float32")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         with torch.no_grad():
-            w.copy_(w.half().to(w.dtype))                 # the values the kernel multiplies with
-        self.weight = w                                    # [O, I] float32, fp16-exact
+            w.copy_(w.to(self.ROUND_TO).to(w.dtype))      # the values the kernel multiplies with
+        self.weight = w                                    # [O, I] float32, exact in ROUND_TO
         self.bias = linear.bias
-        self._gemm = PackedFP16(w, linear.bias)             # not a buffer: stays out of state_dict
-        self._gemm.single()                                  # pack the 1-token layout now, not mid-request
+        self._gemm = self._pack(w, linear.bias)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._gemm(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, weights=fp16 (fbgemm)"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.KERNEL}"
+
+
+class FP16WeightLinear(RoundedWeightLinear):
+    """`RoundedWeightLinear` in fp16, multiplied by fbgemm's fp16-weight GEMM (`PackedFP16`)."""
+
+    ROUND_TO, KERNEL = torch.float16, "weights=fp16 (fbgemm)"
+
+    def __init__(self, linear: nn.Linear):
+        if linear.weight.device.type != "cpu":
+            raise ValueError("fp16-weight linears run on CPU (fbgemm); use bfloat16 on CUDA")
+        if not fbgemm_fp16_available():
+            raise RuntimeError("this PyTorch build has no fbgemm fp16 GEMM; use --dtype float32")
+        if float(linear.weight.detach().abs().max()) >= FP16_MAX:
+            raise ValueError(f"a weight of {tuple(linear.weight.shape)} exceeds fp16's range; use --dtype float32")
+        super().__init__(linear)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> "PackedFP16":
+        gemm = PackedFP16(weight, bias)
+        gemm.single()                                      # pack the 1-token layout now, not mid-request
+        return gemm
 
 
 def use_fp16_weights(model: nn.Module) -> int:
