@@ -147,17 +147,19 @@ class BF16GemmLinear(RoundedWeightLinear):
         return PackedBF16(weight, bias)
 
 
-def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def fused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+                    live: torch.Tensor | None = None) -> torch.Tensor:
     """`lilicorr.batch_invariant.invariant_attention`'s contract in one compiled loop per query:
     q [N, hq, T, D], k/v [N, hkv, S, D] (hq a multiple of hkv), additive mask [N|1, 1, T, S] or
     [T, S] -> softmax(q k^T / sqrt(D) + mask) v [N, hq, T, D] in q's dtype, in float32. Each query
     is computed on its own over the keys its mask leaves (in key order), so its bits depend neither
     on the other queries nor on how many keys the call reads; the target's float32 cache views are
-    read in place."""
+    read in place. `live` [N]: row n's queries from live[n] on are padding (a packed verify,
+    `lilicorr.target.Packing`), skipped, with zeros out."""
     if mask.dim() == 2:
         mask = mask[None, None]
     out = _run(q.shape[0] * q.shape[2],                              # N * T queries (per head)
-               kernels().attention, q.float(), k.float(), v.float(), mask.float(), q.shape[-1] ** -0.5)
+               kernels().attention, q.float(), k.float(), v.float(), mask.float(), q.shape[-1] ** -0.5, live)
     return out.to(q.dtype)
 
 

@@ -144,10 +144,16 @@ class Attention(nn.Module):
         self.attention_kernel = None        # that mode's attention where not `invariant_attention` (bf16-gemm's)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
-                cache: KVCache | None, layer: int, rows: Any, plan: Any, upto: int) -> torch.Tensor:
-        n, t, _ = x.shape
-        q, k, v = self.wqkv(x).split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
-                                      self.n_kv * self.head_dim], dim=-1)
+                cache: KVCache | None, layer: int, rows: Any, plan: Any, upto: int,
+                packing: "Packing | None" = None) -> torch.Tensor:
+        """x [N, T, H], or with `packing` only the real tokens [1, M, H] (the projections run on
+        those; rotary, cache and attention on the padded [N, T] layout, padding as zeros)."""
+        qkv = self.wqkv(x)
+        if packing is not None:
+            qkv = packing.unpack(qkv)                                # [N, T, C], zeros at padding
+        n, t, _ = qkv.shape
+        q, k, v = qkv.split([self.n_head * self.head_dim, self.n_kv * self.head_dim,
+                             self.n_kv * self.head_dim], dim=-1)
         q = q.view(n, t, self.n_head, self.head_dim)   # [N, T, hq, D]
         k = k.view(n, t, self.n_kv, self.head_dim)     # [N, T, hkv, D]
         v = v.view(n, t, self.n_kv, self.head_dim)     # [N, T, hkv, D]
@@ -159,12 +165,45 @@ class Attention(nn.Module):
         else:
             cache.write(layer, rows, k, v, plan=plan)
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
-        if self.invariant_attention:
+        if self.invariant_attention and self.attention_kernel is not None and packing is not None:
+            y = self.attention_kernel(q.transpose(1, 2), k, v, mask, live=packing.valid)  # padding skipped
+        elif self.invariant_attention:
             y = (self.attention_kernel or invariant_attention)(q.transpose(1, 2), k, v, mask)  # [N, hq, T, D]
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                enable_gqa=self.n_kv != self.n_head)  # [N, hq, T, D]
-        return self.o_proj(y.transpose(1, 2).reshape(n, t, self.n_head * self.head_dim))
+        y = y.transpose(1, 2).reshape(n, t, self.n_head * self.head_dim)
+        return self.o_proj(packing.pack(y) if packing is not None else y)
+
+
+class Packing:
+    """Which tokens of a padded [N, T] batch are real: row i's first valid[i]. The target's
+    projections, MLPs, norms and head then run on the M real tokens only ([1, M, ...]), so a batch
+    whose rows verify different numbers of tokens pays for the tokens it verifies, not for N x T.
+    Each real token's values are what the padded forward gives it wherever every op computes a token
+    on its own (the batch-invariant precisions: bf16-gemm, bf16 on AMX / CUDA)."""
+
+    def __init__(self, valid: torch.Tensor, t: int):
+        self.n, self.t, self.valid = int(valid.shape[0]), t, valid.long()
+        real = torch.arange(t, device=valid.device)[None, :] < valid[:, None]      # [N, T]
+        self.index = real.reshape(-1).nonzero().squeeze(1)                         # [M] flat token index
+
+    @classmethod
+    def of(cls, valid: torch.Tensor | None, t: int) -> "Packing | None":
+        """A packing where `valid` leaves padding in a multi-token call, else None."""
+        if valid is None or t < 2 or bool((valid >= t).all()):
+            return None
+        return cls(valid, t)
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """[N, T, ...] -> [1, M, ...] (the real tokens, in row-major order)."""
+        return x.reshape(self.n * self.t, *x.shape[2:]).index_select(0, self.index)[None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, M, ...] -> [N, T, ...] with zeros at the padding."""
+        out = x.new_zeros((self.n * self.t,) + tuple(x.shape[2:]))
+        out.index_copy_(0, self.index, x[0])
+        return out.view((self.n, self.t) + tuple(x.shape[2:]))
 
 
 class MLP(nn.Module):
@@ -248,7 +287,9 @@ class TargetModel(nn.Module):
         written at cache positions lengths[rows[i]] + t; afterwards lengths[rows] += valid (default T).
         Without `cache`: causal self-attention over the given tokens only. `tree` [N, T, T] bool
         (with a cache) replaces causal order among the new tokens: token t sees new token u iff
-        tree[i, t, u] (a draft tree: itself and its ancestors; positions give each its depth)."""
+        tree[i, t, u] (a draft tree: itself and its ancestors; positions give each its depth).
+        With a cache and `valid` [N] below T for some row, only each row's first valid[i] tokens are
+        computed (`Packing`): the outputs at the padding are zeros."""
         n, t = input_ids.shape
         capture = list(capture)
         bad = [k for k in capture if not 0 <= k < len(self.layers)]
@@ -256,6 +297,10 @@ class TargetModel(nn.Module):
             raise ValueError(f"capture layer ids {bad} outside [0, {len(self.layers)})")
         x = self.embed_tokens(input_ids)                              # [N, T, H]
         cos, sin = self.rotary(positions, x.dtype)                    # [N, T, D]
+        # rows with `valid` < T: every per-token op runs on the real tokens only ([1, M, H])
+        packing = Packing.of(valid.to(x.device), t) if cache is not None and valid is not None else None
+        if packing is not None:
+            x = packing.pack(x)                                       # [1, M, H]
         start, idx, plan = None, None, None
         if cache is not None:
             if rows is None:
@@ -280,7 +325,7 @@ class TargetModel(nn.Module):
         mask, upto = attention_mask(start, t, mask_dtype, input_ids.device, tree, width)
         want = {k: None for k in capture}
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, mask, cache, i, idx, plan, width or upto)
+            x = layer(x, cos, sin, mask, cache, i, idx, plan, width or upto, packing)
             if i in want:
                 want[i] = x
         if cache is not None:
@@ -289,7 +334,10 @@ class TargetModel(nn.Module):
         if len(self.layers) - 1 in want:  # HF's last hidden_states entry is taken after the final norm
             want[len(self.layers) - 1] = h
         captured = torch.stack([want[k] for k in capture], dim=2) if capture else None  # [N, T, n, H]
-        return TargetOutput(logits=self.lm_head(h).float() if logits else None, captured=captured, last_hidden=h)
+        out = self.lm_head(h).float() if logits else None                            # [N, T, V]
+        if packing is not None:      # back to [N, T, ...], zeros at the padding
+            out, captured, h = (packing.unpack(z) if z is not None else None for z in (out, captured, h))
+        return TargetOutput(logits=out, captured=captured, last_hidden=h)
 
 
 def attention_mask(start: torch.Tensor | None, t: int, dtype: torch.dtype, device: torch.device,

@@ -232,6 +232,10 @@ def test_bf16_gemm_attention_computes_each_query_alone():
                     alone = fused_attention(q[:, :, t:t + 1], k[:, :, :128], v[:, :, :128], mask[:, :, t:t + 1, :128])
                     assert torch.equal(alone, together[:, :, t:t + 1]), (d, threads, t)
                 assert torch.equal(fused_attention(q[1:], k[1:], v[1:], mask[1:]), together[1:])
+                # a packed call: row 0's queries from 3 on and row 1's from 7 on are padding
+                packed = fused_attention(q, k, v, mask, live=torch.tensor([3, 7]))
+                assert torch.equal(packed[0, :, :3], together[0, :, :3]) and torch.equal(packed[1, :, :7], together[1, :, :7])
+                assert not packed[0, :, 3:].any() and not packed[1, :, 7:].any()
             set_gemm_threads(0)
         with pytest.raises(RuntimeError, match="shapes do not fit"):
             fused_attention(q[:, :1], k, v, mask)
@@ -372,6 +376,35 @@ def test_multi_token_verify_block_with_ragged_valid(tiny_target_dir):
         ref = model(full, _positions(1, 6 + n)).logits[0, 6:]
         _close(out.logits[i, :n], ref)
     assert cache.lengths.tolist() == (6 + valid).tolist()
+
+
+@needs_bf16_gemm
+@torch.no_grad()
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_verify_is_the_padded_verify_on_every_real_token(tiny_target_dir, family):
+    """A verify whose rows check different numbers of tokens runs packed (`Packing`: the projections
+    on the real tokens only, the padding's queries skipped in attention): in bf16-gemm each real
+    token's logits and captured features are the padded forward's to the bit, the padding's are
+    zeros, and the cache advances by `valid`; a prefill of ragged prompts too."""
+    from lilicorr.target import Packing
+    model = load_target(tiny_target_dir(family), dtype="bf16-gemm")
+    g = torch.Generator().manual_seed(5)
+    prompt = torch.randint(4, 96, (3, 6), generator=g)
+    block = torch.randint(4, 96, (3, 4), generator=g)
+    valid = torch.tensor([1, 4, 2])
+    outs = []
+    for v in (None, valid):
+        cache = model.new_cache(num_slots=3, capacity=16)
+        rows = torch.tensor([cache.allocate() for _ in range(3)])
+        model(prompt, _positions(3, 6), cache=cache, rows=rows, valid=torch.tensor([6, 3, 5]))
+        outs.append(model(block, 6 + _positions(3, 4), cache=cache, rows=rows, valid=v, capture=[0, 1]))
+        assert cache.lengths.tolist() == (torch.tensor([6, 3, 5]) + (4 if v is None else valid)).tolist()
+    padded, packed = outs
+    for i, n in enumerate(valid.tolist()):
+        assert torch.equal(packed.logits[i, :n], padded.logits[i, :n]), (family, i)
+        assert torch.equal(packed.captured[i, :n], padded.captured[i, :n]), (family, i)
+        assert not packed.logits[i, n:].any() and not packed.captured[i, n:].any()
+    assert Packing.of(torch.tensor([4, 4, 4]), 4) is None and Packing.of(valid, 1) is None
 
 
 @torch.no_grad()

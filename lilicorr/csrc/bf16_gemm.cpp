@@ -74,6 +74,9 @@ void run_groups(const uint32_t* xp, int64_t M, int64_t KP, const __m512bh* w, fl
   } else if (M == 2) {
     for (; g + 2 <= g1; g += 2) tile<2, 2>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
   }
+  if (M == 9) {   // one pass over the weights: 27 accumulators, 3 weight vectors and 1 broadcast
+    for (; g < g1; ++g) tile<9, 1>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
+  }
   for (; g < g1; ++g) {
     const __m512bh* wg = w + g * gstride;
     const int64_t col0 = g * kGroupCols;
@@ -256,7 +259,12 @@ void attend_group(const float* const* qrow, const float* const* mrow, int64_t ms
 // steps'. Scores are 16-lane dot products reduced in a fixed tree, the sums run in key order, and the
 // output is divided by the softmax denominator once, at the end. The query heads that share a
 // key/value head are taken together, so each key and value is read once per group of queries.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale) {
+//
+// `live` [N] (optional, int64): row n's queries t >= live[n] are padding (a packed verify whose rows
+// verify different numbers of tokens): they are not computed and their outputs are zeros. The other
+// queries are grouped among themselves, each computed exactly as without padding.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor mask, double scale,
+                        c10::optional<torch::Tensor> live) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && mask.dim() == 4, "attention: 4-D q, k, v, mask");
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
               v.scalar_type() == torch::kFloat32 && mask.scalar_type() == torch::kFloat32,
@@ -272,10 +280,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
   TORCH_CHECK(D >= 1 && D <= 256, "attention: head size must be 1..256, got ", D);
   const int64_t chunks = (D + 15) / 16;
   const __mmask16 tail = (__mmask16)((1u << (D - 16 * (chunks - 1))) - 1);
-  const int64_t rep = HQ / HKV, per_head = rep * T;          // queries per key/value head
+  const int64_t rep = HQ / HKV;
   const int64_t QB = group_queries(chunks);                   // queries per group
-  const int64_t groups = (per_head + QB - 1) / QB;
-  auto out = torch::empty({N, HQ, T, D}, torch::kFloat32);
+  std::vector<int64_t> rows_t(N, T);                          // queries computed per row (per head)
+  if (live.has_value() && live->defined()) {
+    auto lv = live->to(torch::kCPU, torch::kLong).contiguous();
+    TORCH_CHECK(lv.dim() == 1 && lv.size(0) == N, "attention: live must be [N]");
+    for (int64_t n = 0; n < N; ++n) rows_t[n] = std::max<int64_t>(0, std::min<int64_t>(T, lv.data_ptr<int64_t>()[n]));
+  }
+  const bool padded = std::any_of(rows_t.begin(), rows_t.end(), [T](int64_t x) { return x < T; });
+  const int64_t groups = (rep * T + QB - 1) / QB;             // at most, per key/value head
+  auto out = padded ? torch::zeros({N, HQ, T, D}, torch::kFloat32) : torch::empty({N, HQ, T, D}, torch::kFloat32);
   const float* qp = q.data_ptr<float>();
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
@@ -293,9 +308,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
     float* orow[kMaxGroup];
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t n = i / (HKV * groups), g = (i / groups) % HKV, first = (i % groups) * QB;
+      const int64_t tn = rows_t[n], per_head = rep * tn;      // this row's queries per key/value head
+      if (first >= per_head) continue;
       const int nq = (int)std::min<int64_t>(QB, per_head - first);
       for (int j = 0; j < nq; ++j) {
-        const int64_t h = g * rep + (first + j) / T, t = (first + j) % T;
+        const int64_t h = g * rep + (first + j) / tn, t = (first + j) % tn;
         const int64_t at = ((n * HQ + h) * T + t) * D;
         qrow[j] = qp + at;
         orow[j] = op + at;
@@ -321,5 +338,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "round a [N, K] weight to bf16 and pack it for linear()");
   m.def("linear", &linear, "float32 x [..., K] @ packed bf16 weight -> float32 [..., N]");
-  m.def("attention", &attention, "float32 attention, every query on its own in a fixed order");
+  m.def("attention", &attention, "float32 attention, every query on its own in a fixed order",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("scale"), py::arg("live") = py::none());
 }
