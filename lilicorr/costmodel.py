@@ -4,11 +4,6 @@
     model = CostModel.measure(target, max_k=8)                    # lazily per number of rows
     model.ratio(rows, k)                                          # t_rows(k) / t_rows(1)
 
-The engine verifies packed (`lilicorr.target.Packing`: each row only its own drafts), so a step's
-cost is a function of the drafts verified in all (`VerifyCost`, `model.verify_cost(rows)`):
-piecewise linear through one extra token (measured on its own: the first one carries the step
-from one token per row to two) and every row verifying k tokens.
-
 Used by `scripts/verify_cost.py` (the committed t(k)/t(1) table) and by the engine's adaptive
 draft length (`--draft-length auto`), which measures the ratios at start-up on the machine it
 runs on (and once more the first time a new number of running rows appears), then keeps them
@@ -25,34 +20,26 @@ import torch
 
 @torch.no_grad()
 def measure_forward_times(target, rows: int = 1, ks=range(1, 17), context: int = 200, reps: int = 12,
-                          warmup: int = 2, capture=(), one_extra: bool = False) -> dict:
+                          warmup: int = 2, capture=()) -> dict[int, float]:
     """Median wall seconds of one target forward of k new tokens for each of `rows` rows, each row
     holding `context` cached tokens (random ids). The cache is rolled back after every forward, so
-    every measurement sees the same context. Reps are interleaved over k (drift hits every k alike).
-    `one_extra` adds key "one_extra": a packed forward in which one row verifies 2 tokens and the
-    others 1 (`lilicorr.target.Packing`)."""
-    ks = list(ks) + (["one_extra"] if one_extra else [])
+    every measurement sees the same context. Reps are interleaved over k (drift hits every k alike)."""
+    ks = list(ks)
     dev = target.embed_tokens.weight.device
     vocab = target.config.vocab_size
-    cache = target.new_cache(rows, capacity=context + max([k for k in ks if isinstance(k, int)] + [2]) + 1)
+    cache = target.new_cache(rows, capacity=context + max(ks) + 1)
     slots = torch.tensor([cache.allocate() for _ in range(rows)], device=dev)
     gen = torch.Generator().manual_seed(0)
-    width = max([k for k in ks if isinstance(k, int)] + [2])
-    ids = torch.randint(0, vocab, (rows, context + width), generator=gen).to(dev)
-    pos = torch.arange(context + width, device=dev).expand(rows, -1)
+    ids = torch.randint(0, vocab, (rows, context + max(ks)), generator=gen).to(dev)
+    pos = torch.arange(context + max(ks), device=dev).expand(rows, -1)
     target(ids[:, :context], pos[:, :context], cache=cache, rows=slots, logits=False)
     base = torch.full((rows,), context, dtype=torch.long, device=dev)
     capture = list(capture)
 
-    extra = torch.ones(rows, dtype=torch.long, device=dev)
-    extra[0] = 2                                                        # one row verifies 2 tokens
-
-    def one(k) -> float:
-        valid = extra if k == "one_extra" else None
-        k = 2 if k == "one_extra" else k
+    def one(k: int) -> float:
         t0 = time.perf_counter()
         out = target(ids[:, context: context + k], pos[:, context: context + k], cache=cache, rows=slots,
-                     capture=capture, valid=valid)
+                     capture=capture)
         out.logits.argmax(-1)              # the engine always reads the argmax
         dt = time.perf_counter() - t0
         cache.truncate(slots, base)
@@ -69,47 +56,11 @@ def measure_forward_times(target, rows: int = 1, ks=range(1, 17), context: int =
 
 
 class _Observed:
-    """The verify cost at one exact number of rows as serving measures it: t(1) in seconds, the
-    ratios t(k)/t(1) and the one-extra-token ratio, each a running mean, started from the start-up
-    measurement of its bucket."""
+    """The verify cost at one exact number of rows as serving measures it: t(1) in seconds and the
+    ratios t(k)/t(1), each a running mean, started from the start-up measurement of its bucket."""
 
-    def __init__(self, base: float, ratios: list[float], one_extra: float):
-        self.base, self.ratios, self.one_extra = base, list(ratios), one_extra
-        self.packed: dict[int, float] = {}      # drafts verified in all -> ratio, packed forwards
-
-
-class VerifyCost:
-    """The cost, in plain steps at one number of rows N, of a packed verify forward (every row
-    verifies its own number of drafts, `lilicorr.target.Packing`) as a function of the drafts
-    verified in all, E = sum of the rows' lengths: piecewise linear through measured points (E, cost),
-    (0, 1.0) first, non-decreasing. The points are E = 1 (one row verifies one draft) and E = N (k - 1)
-    (every row verifies k tokens); past the last point the last segment's slope goes on.
-
-        cost = model.verify_cost(rows)
-        cost([2, 0, 1])      # three rows verifying 2, 0 and 1 drafts
-        cost.extra(3)        # the same: 3 drafts in all
-    """
-
-    def __init__(self, points: list[tuple[int, float]]):
-        pts = sorted(dict([(0, 1.0)] + [(int(e), float(c)) for e, c in points if e > 0]).items())
-        run, self.points = 1.0, []
-        for e, c in pts:                         # noise must not make a longer verify cheaper
-            run = max(run, c)
-            self.points.append((e, run))
-
-    def extra(self, e: int) -> float:
-        """Cost of verifying `e` drafts in all, in plain steps."""
-        pts = self.points
-        if e <= 0 or len(pts) == 1:
-            return 1.0 if e <= 0 else pts[-1][1]
-        for (e0, c0), (e1, c1) in zip(pts, pts[1:]):
-            if e <= e1:
-                return c0 + (c1 - c0) * (e - e0) / (e1 - e0)
-        (e0, c0), (e1, c1) = pts[-2], pts[-1]
-        return c1 + (c1 - c0) * (e - e1) / (e1 - e0)
-
-    def __call__(self, lengths) -> float:
-        return self.extra(sum(lengths))
+    def __init__(self, base: float, ratios: list[float]):
+        self.base, self.ratios = base, list(ratios)
 
 
 class CostModel:
@@ -126,7 +77,6 @@ class CostModel:
         self.target, self.max_k, self.capture = target, max_k, list(capture)
         self.reps, self.context = reps, context
         self._ratios: dict[int, list[float]] = {}     # bucket -> [ratio k=1..max_k] (index k-1)
-        self._one_extra: dict[int, float] = {}        # bucket -> t_N(1 + one draft) / t_N(1)
         self.step_seconds: dict[int, float] = {}      # bucket -> t_N(1)
         self.draft_seconds: dict[int, float] = {}     # bucket of drafting rows D -> drafter seconds
         self.online = True
@@ -157,54 +107,25 @@ class CostModel:
         b = self.bucket(rows)
         if b not in self._ratios:
             t = measure_forward_times(self.target, rows=b, ks=range(1, self.max_k + 1), context=self.context,
-                                      reps=self.reps, warmup=1, capture=self.capture, one_extra=b > 1)
+                                      reps=self.reps, warmup=1, capture=self.capture)
             self._ratios[b] = self._monotone([t[k] / t[1] for k in range(1, self.max_k + 1)])
-            if b > 1:
-                self._one_extra[b] = t["one_extra"] / t[1]
             self.step_seconds[b] = t[1]
         return self._ratios[b]
 
-    def _extra_of(self, bucket: int) -> float:
-        """The start-up one-extra-token ratio of a measured bucket (its k = 2 ratio where none)."""
-        r = self._ratios[bucket]
-        return self._one_extra.get(bucket, r[min(1, len(r) - 1)])
-
-    def verify_cost(self, rows: int) -> VerifyCost:
-        """The packed verify's cost at `rows` rows (`VerifyCost`): one extra token, then every row
-        verifying k = 2..max_k tokens (served figures where there are any, else measured)."""
-        ratios = self.ratios(rows)
-        obs = self._observed.get(rows) if self.online else None
-        one = obs.one_extra if obs is not None else self._extra_of(self.bucket(rows))
-        points = dict([(1, one)] if rows > 1 else [])
-        points.update((rows * (k - 1), ratios[k - 1]) for k in range(2, len(ratios) + 1))
-        if obs is not None:        # what packed verifies of a mix of lengths have cost while serving
-            points.update(obs.packed)
-        return VerifyCost(list(points.items()))
-
-    def observe_verify(self, rows: int, k: int, seconds: float, extra: int | None = None) -> None:
+    def observe_verify(self, rows: int, k: int, seconds: float) -> None:
         """Fold one served verify forward (k tokens for each of `rows` rows, `seconds` of wall) into
         the cost at exactly `rows` rows: t(1) when k = 1, else the ratio t(k)/t(1) against the
-        current t(1). `extra`: a packed forward (rows verifying different numbers of drafts, k the
-        longest) that verified `extra` drafts in all: its ratio becomes a point of `verify_cost` at
-        that count (one draft: the start-up's one-extra point). Served contexts, kernels warmed by
-        real traffic, the mixes of lengths serving verifies and the machine's other load then price
-        the next steps, not only the start-up's few samples."""
+        current t(1). Served contexts, kernels warmed by real traffic and the machine's other load
+        then price the next steps, not only the start-up's few samples."""
         if not self.online or not 1 <= k <= self.max_k:
             return
         obs = self._observed.get(rows)
         if obs is None:
             self._measured(rows)
             b = self.bucket(rows)
-            obs = self._observed[rows] = _Observed(self.step_seconds[b], self._ratios[b], self._extra_of(b))
+            obs = self._observed[rows] = _Observed(self.step_seconds[b], self._ratios[b])
         a = self.OBSERVE_RATE
-        if extra == 1 and rows > 1:
-            obs.one_extra += a * (seconds / obs.base - obs.one_extra)
-        elif extra is not None and extra > 0:
-            before = obs.packed.get(extra)
-            if before is None:                 # starts from what the model priced it at
-                before = self.verify_cost(rows).extra(extra)
-            obs.packed[extra] = before + a * (seconds / obs.base - before)
-        elif k == 1:
+        if k == 1:
             obs.base += a * (seconds - obs.base)
         else:
             obs.ratios[k - 1] += a * (seconds / obs.base - obs.ratios[k - 1])
@@ -248,12 +169,6 @@ class CostModel:
             self.draft_seconds[d] = seconds
         else:
             self.draft_seconds[d] = 0.8 * old + 0.2 * min(seconds, 3 * old)
-
-
-def row_costs(cost: VerifyCost, slots: int) -> list[float]:
-    """[cost of one row verifying j drafts while the others verify none, j = 0..slots]: what
-    `best_length` weighs a row's own length against."""
-    return [cost.extra(j) for j in range(slots + 1)]
 
 
 def best_length(expected: list[float], cost: list[float], draft_cost: float) -> tuple[int, float]:

@@ -26,12 +26,11 @@ Draft length (`draft_length`): None verifies the whole block; an int N verifies 
 tokens; "auto" chooses per row and step from the lattice's own scores. The walk's local
 probabilities (softmax of the match scores at each chosen candidate, calibrated per slot against
 observed acceptance) give the expected tokens E(L) of verifying L drafts; a `CostModel` measured on
-this machine gives the verify cost at the current number of rows N and the drafter's cost in plain
-steps. The verify is packed (`lilicorr.target.Packing`): each row computes only its anchor and its
-own drafts, so a step costs what the drafts it verifies in all cost (`VerifyCost`), and a row that
-verifies none adds nothing to another row's long draft. A row verifies the L maximising E(L) /
-cost(L) (its own drafts alone on top of a plain step), and the batch keeps the drafts, in order of
-expected gain, up to where its expected tokens per unit cost peak (`_batch_cap`); a row whose recent acceptance
+this machine gives the verify cost t_N(L+1)/t_N(1) at the current number of rows N and the drafter's
+cost in plain steps (a verify in which every row checks L+1 tokens: the policy prices a step at its
+longest row, though the forward is packed, `lilicorr.target.Packing`, and each row computes only its
+own tokens; pricing the packed mixes as they cost let the policy verify more drafts for no more
+tokens per second, results/packed_verify_epyc/). A row verifies the L maximising E(L) / cost(L); a row whose recent acceptance
 does not pay for the drafter skips drafting (L = 0: a plain step, with features still captured), so
 under load speculation degrades to plain decoding. While a row skips, its history moves back
 towards the acceptance every row has shown (`_relax`), so a few rejected blocks pause its drafting
@@ -71,7 +70,7 @@ from pathlib import Path
 
 import torch
 
-from lilicorr.costmodel import CostModel, VerifyCost, best_length, row_costs
+from lilicorr.costmodel import CostModel, best_length
 from lilicorr.fp16_linear import gemm_threads_for, prefill_threads
 from lilicorr.lattice import DEFAULT_TREE_NODES, build_tree, tree_attention, tree_size
 from lilicorr.model import RULES, load_model, untrained_model
@@ -186,25 +185,16 @@ def parse_draft_length(value, slots: int):
     return min(n, slots) if slots else None
 
 
-def _batch_cap(lengths: list[int], expected: list[list[float]], cost: VerifyCost) -> list[int]:
-    """A packed verify costs what the drafts it verifies in all cost (`VerifyCost`), so the rows'
-    lengths are cut where the batch's expected tokens per unit cost peak: the rows' drafts up to
-    `lengths` are taken in order of expected gain (expected[i][j] - expected[i][j-1], which falls
-    with j, so every row keeps a prefix), and the count L that maximises
-    (n + the gains taken) / cost.extra(L) is kept. L = 0 is a plain step for every row."""
-    steps = sorted(((e[j] - e[j - 1], j, i) for i, (e, n_d) in enumerate(zip(expected, lengths))
-                    for j in range(1, n_d + 1)), key=lambda x: (-x[0], x[1], x[2]))
-    tokens = float(len(lengths))
-    best_l, best = 0, tokens / cost.extra(0)
-    for l, (gain, _, _) in enumerate(steps, 1):
-        tokens += gain
-        value = tokens / cost.extra(l)
+def _batch_cap(lengths: list[int], expected: list[list[float]], cost: list[float]) -> list[int]:
+    """One verify forward runs every row to the longest length, so cap the rows' draft lengths at
+    the c (0..max) that maximises the batch's expected tokens per unit cost:
+    sum_i expected[i][min(lengths[i], c)] / cost[c]. c = 0 is a plain step for every row."""
+    best_c, best = 0, len(lengths) / cost[0]
+    for c in range(1, max(lengths, default=0) + 1):
+        value = sum(e[min(n_d, c)] for e, n_d in zip(expected, lengths)) / cost[c]
         if value > best * (1 + 1e-9):
-            best_l, best = l, value
-    out = [0] * len(lengths)
-    for _, j, i in steps[:best_l]:
-        out[i] = max(out[i], j)
-    return out
+            best_c, best = c, value
+    return [min(n_d, best_c) for n_d in lengths]
 
 
 def _expected(rates) -> list[float]:
@@ -527,26 +517,19 @@ class SpecEngine:
             # prompt lookup: [n] copied continuations ([] where the row's suffix did not occur before)
             look = [s.ngram.propose(b - 1) if s.ngram is not None else [] for s in seqs]
             if auto:
-                vcost = self.cost.verify_cost(n)                         # the step: drafts in all
-                cost = row_costs(vcost, b - 1)                           # cost[j]: one row verifies j
+                cost = self.cost.ratios(n)[:b]                           # cost[j]: verify j drafts
                 one_row = self.cost.draft_cost_at(n, 1)
                 # a row verifies its lookup where the row's acceptance of lookups pays for the verify
                 lk_exp = {i: self._lookup_expected(s, look[i]) for i, s in enumerate(seqs) if look[i]}
                 wish = ["lookup" if i in lk_exp and best_length(lk_exp[i], cost, 0.0)[0]
                         else self._wants_draft(s, cost, one_row) for i, s in enumerate(seqs)]
+                self._schedule_probe(wish, seqs)
                 lk_idx = [i for i in range(n) if wish[i] == "lookup"]          # rows verifying a lookup
                 drafting, plain = self._batch_drafting(
-                    wish, seqs, vcost, lambda d: self.cost.draft_cost_at(n, d),
+                    wish, seqs, cost, lambda d: self.cost.draft_cost_at(n, d),
                     lookups={i: lk_exp[i] for i in lk_idx}, allowed=self._draft_gain_at(n) >= 1.0)
                 if plain is None:
                     self._relax_draft_gain(n)
-                # a row that neither drafts nor looks up this step may be the batch's probe (a row
-                # whose own gain the batch turned down included: else it would never learn again)
-                idle = [w if drafting[i] or w == "lookup" else None for i, w in enumerate(wish)]
-                self._schedule_probe(idle, seqs)
-                if "probe" in idle:
-                    probe = idle.index("probe")
-                    wish[probe], drafting[probe] = "probe", True
             else:
                 wish, drafting, plain = [None] * n, [not x for x in look], None
                 lk_idx = [i for i in range(n) if look[i]]
@@ -581,7 +564,7 @@ class SpecEngine:
                     for i in lk_idx:               # a lookup costs no drafter pass; at most its own length
                         expected[i] = lk_exp[i]
                         lengths[i] = best_length(expected[i], cost, 0.0)[0]
-                    lengths = _batch_cap(lengths, expected, vcost)
+                    lengths = _batch_cap(lengths, expected, cost)
                     for i in d_idx:                # a probe verifies at least one draft: it is there to learn
                         if wish[i] == "probe":
                             lengths[i] = max(lengths[i], 1)
@@ -605,14 +588,14 @@ class SpecEngine:
                     block[i, 1: 1 + lengths[i]] = torch.tensor(look[i][: lengths[i]], device=dev)
             rows = torch.tensor([s.tslot for s in seqs], device=dev)
             pos = apos[:, None] + torch.arange(t, device=dev)[None, :]
-            # packed: each row computes only its anchor and its own drafts (Packing), so rows that
-            # verify fewer drafts than the longest cost nothing for the difference
+            # packed: each row computes only its anchor and its own drafts (target Packing), so the
+            # rows below the longest length cost less than the padded verify the policy priced
             valid = torch.tensor([1 + n_d for n_d in lengths], device=dev)                # [N]
             tv = time.perf_counter()
             out = self.target(block, pos, cache=self.cache, rows=rows, capture=self.capture, valid=valid)
             verify_s = time.perf_counter() - tv
-            if auto:                   # uniform lengths: the k-token point; a mix: its count of drafts
-                self.cost.observe_verify(n, t, verify_s, extra=None if len(set(lengths)) == 1 else sum(lengths))
+            if auto and len(set(lengths)) == 1:     # the cost model's points: every row at t tokens
+                self.cost.observe_verify(n, t, verify_s)
         events = []
         with stage(STAGE_ACCEPT):
             logits = out.logits                                               # [N, T, V]
@@ -649,7 +632,7 @@ class SpecEngine:
             self.cache.truncate(rows, torch.tensor(new_len, device=dev))
             if "probe" in wish:
                 # this step's own drafter time: a probing row first catches up its context
-                paid = vcost(lengths) + self.cost.plain_steps(n, draft_s)
+                paid = cost[max(lengths)] + self.cost.plain_steps(n, draft_s)
                 self._probe_outcome(sum(e.accepted for e in events), paid, n)
             if plain is not None:
                 self._learn_draft_gain(n, sum(e.accepted for e in events),
@@ -837,12 +820,12 @@ class SpecEngine:
             self._probe_scale = min(2 * self._probe_scale, self.PROBE_BACKOFF_MAX)
 
     @staticmethod
-    def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: VerifyCost, draft_cost_of,
+    def _batch_drafting(wish: list[str | None], seqs: list[_Seq], cost: list[float], draft_cost_of,
                         lookups: dict[int, list[float]] | None = None,
                         allowed: bool = True) -> tuple[list[bool], float | None]:
-        """Which rows draft. The step pays for the drafts its packed verify checks in all (`cost`) and
-        for the drafter pass (draft_cost_of(D): its cost in plain steps over D drafting rows), so the
-        rows that would gain draft only if the whole batch is expected to commit more tokens per unit cost than it
+        """Which rows draft. Every row of a step pays for the longest verify and for the drafter
+        pass (draft_cost_of(D): its cost in plain steps over D drafting rows), so the rows that would
+        gain draft only if the whole batch is expected to commit more tokens per unit cost than it
         would without the drafter (n tokens for one plain step, or the rows verifying a lookup,
         `lookups` {row: expected tokens}, verifying theirs), and only where drafting is `allowed`
         at this load (`_learn_draft_gain`). Probes always draft. Returns (which rows draft, the
@@ -854,17 +837,13 @@ class SpecEngine:
         if gain:
             draft_cost = draft_cost_of(len(gain) + wish.count("probe"))
             exp = {i: _expected(seqs[i].accept_rate) for i in gain}
-            row = row_costs(cost, max(len(e) for e in [*exp.values(), *lookups.values()]) - 1)
-            lk = {i: best_length(e, row, 0.0)[0] for i, e in lookups.items()}
+            lens = {i: best_length(exp[i], cost, draft_cost)[0] for i in gain}
+            lk = {i: best_length(e, cost, 0.0)[0] for i, e in lookups.items()}
             looked = sum(lookups[i][lk[i]] for i in lk)
             # without the drafter: the lookup rows verify theirs, every other row takes a plain step
-            plain = (n - len(lk) + looked) / cost(lk.values())
-            # with it: the gain rows' drafts and the lookups, cut together as the verify cuts them
-            want = [best_length(exp[i], row, draft_cost)[0] if i in exp else lk.get(i, 0) for i in range(n)]
-            cut = _batch_cap(want, [exp.get(i) or lookups.get(i) or [1.0] for i in range(n)], cost)
-            gain = [i for i in gain if cut[i]]
-            tokens = sum((exp.get(i) or lookups.get(i) or [1.0])[cut[i]] for i in range(n))
-            if not gain or tokens / (cost(cut) + draft_cost) <= plain:
+            plain = (n - len(lk) + looked) / cost[max(lk.values(), default=0)]
+            tokens = n - len(gain) - len(lk) + sum(exp[i][lens[i]] for i in gain) + looked
+            if tokens / (cost[max([*lens.values(), *lk.values()])] + draft_cost) <= plain:
                 gain, plain = [], None
         return [i in gain or wish[i] == "probe" for i in range(n)], plain
 

@@ -1057,34 +1057,27 @@ def test_smollm2_speculative_equals_ar(smollm2_dir, dtype):
 
 
 def test_auto_draft_length_decides_for_the_whole_batch():
-    """A packed verify costs what the drafts it checks in all cost, and every drafting row pays for
-    the drafter pass: the cut and the drafting decision weigh the batch's expected tokens against
-    that cost (by hand)."""
-    from lilicorr.costmodel import VerifyCost
+    """One verify runs every row to the longest draft and every row pays for the drafter pass: the
+    cap and the drafting decision weigh the batch's expected tokens against that cost (by hand)."""
     from lilicorr.engine import _batch_cap
-    cost = VerifyCost([(1, 1.5), (2, 2.0), (3, 2.5)])     # verify 1..3 drafts in all, in plain steps
+    cost = [1.0, 1.5, 2.0, 2.5]                           # verify 1..4 tokens, in plain steps
     gain = [1.0, 1.9, 2.5, 2.8]                           # expected tokens verifying 0..3 drafts
     assert _batch_cap([3], [gain], cost) == [1]           # 1.9 / 1.5 beats 1, 2.5 / 2 and 2.8 / 2.5
     assert _batch_cap([3, 0, 0, 0], [gain, [1.0], [1.0], [1.0]], cost) == [0, 0, 0, 0]   # 4.9 / 1.5 < 4
-    assert _batch_cap([2, 2], [gain, gain], cost) == [0, 0]   # 2.9 / 1.5 and 3.8 / 2 fall short of 2
-    # the drafts are taken by expected gain across rows: row 1's first (0.9) before row 0's second (0.6)
-    cheap = VerifyCost([(1, 1.05), (4, 1.2)])
-    assert _batch_cap([2, 2], [[1.0, 1.9, 2.5], [1.0, 1.95, 2.0]], cheap) == [2, 1]
-    assert _batch_cap([3], [gain], VerifyCost([(1, 1.1), (2, 1.15), (3, 1.2)])) == [3]   # 2.8 / 1.2
+    assert _batch_cap([2, 2], [gain, gain], cost) == [1, 1]
     rows = [type("Row", (), {"accept_rate": [0.9, 0.6, 0.3]})() for _ in range(4)]
-    flat = VerifyCost([(1, 1.5), (4, 1.6), (8, 1.8), (12, 2.0)])
-    both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, flat, lambda d: 0.1)
-    assert both == ([False, False, False, True], None)    # one row's gain does not pay for a 1.5 step
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, flat, lambda d: 0.1) == ([True] * 4, 4.0)
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, flat, lambda d: 0.05 * d)[0] == [True] * 4
-    assert SpecEngine._batch_drafting(["gain"] * 4, rows, flat, lambda d: 0.5 * d)[0] == [False] * 4  # 4 rows' pass
+    both = SpecEngine._batch_drafting(["gain", None, None, "probe"], rows, cost, lambda d: 0.1)
+    assert both == ([False, False, False, True], None)    # one row's gain does not pay for four rows
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.1) == ([True] * 4, 4.0)
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.05 * d)[0] == [True] * 4
+    assert SpecEngine._batch_drafting(["gain"] * 4, rows, cost, lambda d: 0.5 * d)[0] == [False] * 4  # 4 rows' pass
     # a load whose drafting steps have been slower than plain ones: only the probe drafts
-    assert SpecEngine._batch_drafting(["gain", "gain", "gain", "probe"], rows, flat, lambda d: 0.1,
+    assert SpecEngine._batch_drafting(["gain", "gain", "gain", "probe"], rows, cost, lambda d: 0.1,
                                       allowed=False) == ([False, False, False, True], None)
     # the bar is the batch without the drafter: with cheap verifies two rows verify good lookups
-    # (2 drafts each, 4 in all: 2 x 2.7 + 2 tokens for 1.2 plain steps = 6.17 per plain step);
-    # drafting the two others beats n = 4 but not that with a dear pass
-    cheap = VerifyCost([(1, 1.05), (4, 1.2), (8, 1.3), (12, 1.4)])
+    # (2 drafts each: 2 x 2.7 + 2 tokens for 1.2 plain steps = 6.17 per plain step); drafting the two
+    # others (3 drafts each: 2 x 2.602 + 5.4 tokens for 1.3 + the pass) beats n = 4 but not that
+    cheap = [1.0, 1.1, 1.2, 1.3]
     lookups = {2: [1.0, 1.9, 2.7], 3: [1.0, 1.9, 2.7]}
     wish = ["gain", "gain", "lookup", "lookup"]
     assert SpecEngine._batch_drafting(wish, rows, cheap, lambda d: 0.5, lookups=lookups) == ([False] * 4, None)
@@ -1092,23 +1085,11 @@ def test_auto_draft_length_decides_for_the_whole_batch():
     assert drafts == [True, True, False, False] and plain == pytest.approx(7.4 / 1.2)
 
 
-def test_verify_cost_is_piecewise_linear_in_the_drafts_verified():
-    """VerifyCost: (0, 1) first, linear between its points, the last slope past them, and never
-    cheaper for more drafts (a noisy point is lifted to the running max) (by hand)."""
-    from lilicorr.costmodel import VerifyCost
-    c = VerifyCost([(1, 1.2), (4, 1.5), (8, 1.4)])
-    assert c.points == [(0, 1.0), (1, 1.2), (4, 1.5), (8, 1.5)]
-    assert c.extra(0) == 1.0 and c([0, 0]) == 1.0
-    assert c.extra(2) == pytest.approx(1.3) and c([1, 1]) == pytest.approx(1.3)
-    assert c.extra(12) == pytest.approx(1.5)
-    assert VerifyCost([(2, 1.4)]).extra(4) == pytest.approx(1.8)   # one segment, extended
-
-
 def test_served_verify_costs_replace_the_start_up_figures():
     """While serving, every verify forward folds into the cost at its exact number of rows: t(1) in
     seconds, t(k)/t(1) as ratios, each a running mean started from the bucket's start-up figures;
     ratios stay non-decreasing in k; with online=False the start-up figures stand (by hand)."""
-    from lilicorr.costmodel import CostModel, VerifyCost
+    from lilicorr.costmodel import CostModel
     cm = CostModel(target=None, max_k=4)
     cm._ratios[4], cm.step_seconds[4] = [1.0, 1.02, 1.2, 1.3], 0.05
     cm.observe_verify(3, 1, 0.04)                       # 3 rows: a bucket-4 load with its own figures
@@ -1119,15 +1100,6 @@ def test_served_verify_costs_replace_the_start_up_figures():
     assert cm.ratio(3, 2) == pytest.approx(1.02 + 0.1 * (3.0 - 1.02))      # 1.218: above k = 3's 1.2
     assert cm.ratios(3)[2] == cm.ratio(3, 2) and cm.ratio(3, 4) == 1.3      # a running max over k
     assert cm.plain_steps(3, 2 * base) == pytest.approx(2.0)
-    # packed verifies (a mix of lengths): one draft moves the one-extra point, other counts become
-    # points of their own, starting from what the model priced them at
-    one = cm.verify_cost(3).extra(1)
-    cm.observe_verify(3, 2, 2.0 * base, extra=1)
-    assert cm.verify_cost(3).extra(1) == pytest.approx(one + 0.1 * (2.0 - one))
-    priced = cm.verify_cost(3).extra(5)
-    cm.observe_verify(3, 4, 1.9 * base, extra=5)
-    assert cm.verify_cost(3).extra(5) == pytest.approx(priced + 0.1 * (1.9 - priced))
-    assert cm.verify_cost(4).points == VerifyCost([(1, 1.02), (4, 1.02), (8, 1.2), (12, 1.3)]).points
     cm.observe_verify(3, 9, 1.0)                        # wider than the block: not a verify it prices
     cm.online = False
     cm.observe_verify(4, 1, 1.0)
@@ -1186,7 +1158,6 @@ def test_auto_draft_length_gate_and_probe_back_off_together(tiny_target_dir):
     engine.PROBE_EVERY, engine.PROBE_BACKOFF_MAX = 1, 4
     engine._probe_scale = engine._probe_wait = engine.PROBE_BACKOFF_MAX   # backed off by losing probes
     engine._draft_gain = {rows: (0.97, 1.0) for rows in range(1, engine.max_batch + 1)}   # gates closed
-    engine.DRAFT_GAIN_RELAX = 0.1        # and relaxing open within the run's ~20 steps
     steps, spec_step = [], engine._spec_step
 
     def watched(seqs):

@@ -385,7 +385,7 @@ def test_packed_verify_is_the_padded_verify_on_every_real_token(tiny_target_dir,
     """A verify whose rows check different numbers of tokens runs packed (`Packing`: the projections
     on the real tokens only, the padding's queries skipped in attention): in bf16-gemm each real
     token's logits and captured features are the padded forward's to the bit, the padding's are
-    zeros, and the cache advances by `valid`; a prefill of ragged prompts too."""
+    zeros, and the cache advances by `valid`."""
     from lilicorr.target import Packing
     model = load_target(tiny_target_dir(family), dtype="bf16-gemm")
     g = torch.Generator().manual_seed(5)
