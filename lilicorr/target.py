@@ -165,10 +165,9 @@ class Attention(nn.Module):
         else:
             cache.write(layer, rows, k, v, plan=plan)
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
-        if self.invariant_attention and self.attention_kernel is not None and packing is not None:
-            y = self.attention_kernel(q.transpose(1, 2), k, v, mask, live=packing.valid)  # padding skipped
-        elif self.invariant_attention:
-            y = (self.attention_kernel or invariant_attention)(q.transpose(1, 2), k, v, mask)  # [N, hq, T, D]
+        if self.invariant_attention:     # bf16-gemm's kernel skips a packed call's padding queries
+            live = {"live": packing.valid} if packing is not None and self.attention_kernel is not None else {}
+            y = (self.attention_kernel or invariant_attention)(q.transpose(1, 2), k, v, mask, **live)  # [N, hq, T, D]
         else:
             y = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=mask,
                                                enable_gqa=self.n_kv != self.n_head)  # [N, hq, T, D]
@@ -189,11 +188,11 @@ class Packing:
         self.index = real.reshape(-1).nonzero().squeeze(1)                         # [M] flat token index
 
     @classmethod
-    def of(cls, valid: torch.Tensor | None, t: int) -> "Packing | None":
-        """A packing where `valid` leaves padding in a multi-token call, else None."""
+    def of(cls, valid: torch.Tensor | None, t: int, device: torch.device | None = None) -> "Packing | None":
+        """A packing (on `device`) where `valid` leaves padding in a multi-token call, else None."""
         if valid is None or t < 2 or bool((valid >= t).all()):
             return None
-        return cls(valid, t)
+        return cls(valid.to(device) if device is not None else valid, t)
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """[N, T, ...] -> [1, M, ...] (the real tokens, in row-major order)."""
@@ -298,7 +297,7 @@ class TargetModel(nn.Module):
         x = self.embed_tokens(input_ids)                              # [N, T, H]
         cos, sin = self.rotary(positions, x.dtype)                    # [N, T, D]
         # rows with `valid` < T: every per-token op runs on the real tokens only ([1, M, H])
-        packing = Packing.of(valid.to(x.device), t) if cache is not None and valid is not None else None
+        packing = Packing.of(valid, t, x.device) if cache is not None else None
         if packing is not None:
             x = packing.pack(x)                                       # [1, M, H]
         start, idx, plan = None, None, None

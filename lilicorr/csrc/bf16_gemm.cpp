@@ -73,8 +73,7 @@ void run_groups(const uint32_t* xp, int64_t M, int64_t KP, const __m512bh* w, fl
     for (; g + 4 <= g1; g += 4) tile<1, 4>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
   } else if (M == 2) {
     for (; g + 2 <= g1; g += 2) tile<2, 2>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
-  }
-  if (M == 9) {   // one pass over the weights: 27 accumulators, 3 weight vectors and 1 broadcast
+  } else if (M == 9) {   // one pass over the weights: 27 accumulators, 3 weight vectors and 1 broadcast
     for (; g < g1; ++g) tile<9, 1>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
   }
   for (; g < g1; ++g) {
