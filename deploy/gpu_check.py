@@ -465,10 +465,10 @@ def proposal_check(torch, target, model, rule: str, prompt: list[int], blocks: i
     optimised = runner.draft
     rec = {"blocks": 0, "slots": 0, "token_mismatches": 0, "pool_mismatches": 0, "first_mismatch_block": None}
 
-    def checked_draft(*args):
-        prop = optimised(*args)
+    def checked_draft(*args, **kwargs):
+        prop = optimised(*args, **kwargs)
         with eager_path(model):
-            ref = optimised(*args)
+            ref = optimised(*args, **kwargs)
         bad_tokens = int((prop.tokens.cpu() != ref.tokens.cpu()).sum())
         bad_pools = int((prop.cand_ids.cpu() != ref.cand_ids.cpu()).any(-1).sum())
         if (bad_tokens or bad_pools) and rec["first_mismatch_block"] is None:

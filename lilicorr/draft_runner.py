@@ -5,7 +5,7 @@ Runtime, TensorRT) are interchangeable:
 
     runner.allocate() -> slot / runner.free(slot)
     runner.append_context(slots, feats, positions)   # newly verified target features
-    runner.draft(slots, anchors, anchor_pos, target_state, rules) -> Proposal
+    runner.draft(slots, anchors, anchor_pos, target_state, rules, tree=False) -> Proposal
 """
 from __future__ import annotations
 
@@ -135,8 +135,10 @@ class TorchDraftRunner(ContextCacheRunner):
 
     @torch.no_grad()
     def draft(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor,
-              target_state: torch.Tensor, rules: list[str]) -> Proposal:
-        """slots/anchors/anchor_pos [N]; target_state [N, n, H]; rules: one decode rule per row."""
+              target_state: torch.Tensor, rules: list[str], tree: bool = False) -> Proposal:
+        """slots/anchors/anchor_pos [N]; target_state [N, n, H]; rules: one decode rule per row.
+        tree: rule `tree` wants a draft tree; this runner builds none (the engine builds it from
+        the proposal's lattice scores, `lilicorr.lattice.build_tree`)."""
         model, b = self.model, self.block_size
         with stage(STAGE_DRAFT):
             emb = model.drafter.block_embeddings(anchors[:, None], b)          # [N, B, H]

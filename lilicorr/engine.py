@@ -677,7 +677,8 @@ class SpecEngine:
                     s.pending = None
             state = torch.stack([s.state for s in dseqs])                     # [D, n, H]
         return self.runner.draft(dslots, anchors, apos, state,
-                                 ["lilicorr" if s.rule == "tree" else s.rule for s in dseqs])
+                                 ["lilicorr" if s.rule == "tree" else s.rule for s in dseqs],
+                                 tree=any(s.rule == "tree" for s in dseqs))
 
     def _record(self, s: _Seq, feats: torch.Tensor, depth_reached: int, a: int, pools) -> None:
         """Per-row bookkeeping of one verified step: slot statistics (`depth_reached` drafted slots

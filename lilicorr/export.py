@@ -13,8 +13,10 @@ Two graphs, so the drafter's context cache lives outside them (in the runtime's 
 
     draft.{backbone,lm_head,head}.onnx  draft.onnx cut at slot_hidden and slot_logits (`split_draft`):
                   one ONNX Runtime session per stage of the stage table; bit-identical to draft.onnx
+    draft.tree.onnx  DraftTree cut off the head at the lattice scores (engines with a tree budget)
 
-For ONNX Runtime the build also saves ORT-optimised copies (*.ort.onnx) and, with int8 draft
+For ONNX Runtime the build also saves ORT-optimised copies (*.ort.onnx; their RMSNorm chains
+fused into one kernel each: `lilicorr.onnx_fusions`) and, with int8 draft
 weights (`BuildOptions.draft_weights`, the default there), their int8 copies (*.int8.onnx, ONNX
 Runtime dynamic quantization: `quantize_onnxruntime`), which the engine then serves. The drafter
 only proposes and the target verifies every token, so int8 weights change drafts, never outputs.
@@ -52,17 +54,21 @@ from lilicorr.engine_dir import (BACKENDS, FORMAT, FORMAT_VERSION, MANIFEST, REP
                                  file_sha256, portable_path, target_record, write_manifest)
 from lilicorr.head import top_k_candidates
 from lilicorr.ngram import parse_prompt_lookup
+from lilicorr.onnx_fusions import fuse_file
 from lilicorr.ort_runner import TREE_OUTPUTS, context_io_names, draft_io_names, ort_session
 from lilicorr.plugins import plan_plugins
 from lilicorr.profiling import STAGE_DRAFT, STAGE_HEAD, STAGE_LM_HEAD
 
 CONTEXT_ONNX, DRAFT_ONNX = "context.onnx", "draft.onnx"
 # the draft graph cut into three parts at these tensors, one ONNX Runtime session (and one stage of
-# the stage table) each; draft.onnx stays whole for TensorRT and as the reference
+# the stage table) each; draft.onnx stays whole for TensorRT and as the reference. A graph with a
+# draft tree has a fourth part, `tree` (lilicorr::DraftTree from the head's lattice scores), cut
+# off the head so that the head's session builds no tree for the rows of the other rules
 DRAFT_CUTS = ("slot_hidden", "slot_logits")
-DRAFT_PARTS = ("backbone", "lm_head", "head")
+TREE_CUTS = ("anchor_scores", "pair_scores")
+DRAFT_PARTS = ("backbone", "lm_head", "head", "tree")
 DRAFT_PART_FILES = {p: f"draft.{p}.onnx" for p in DRAFT_PARTS}
-DRAFT_PART_STAGES = {"backbone": STAGE_DRAFT, "lm_head": STAGE_LM_HEAD, "head": STAGE_HEAD}
+DRAFT_PART_STAGES = {"backbone": STAGE_DRAFT, "lm_head": STAGE_LM_HEAD, "head": STAGE_HEAD, "tree": STAGE_HEAD}
 ORT_SUFFIX = ".ort.onnx"
 INT8_SUFFIX = ".int8.onnx"
 # the drafter's weights in the graphs ONNX Runtime serves: int8 (dynamic quantization, per output
@@ -354,26 +360,35 @@ def part_inputs(graph, outputs, stops=()) -> list[str]:
 
 
 def draft_part_io(tapped) -> dict[str, tuple[list[str], list[str]]]:
-    """{part: (inputs, outputs)} of the three parts of a tapped draft graph."""
+    """{part: (inputs, outputs)} of the parts of a tapped draft graph: backbone, LM head and head,
+    and `tree` when the graph builds a draft tree (TREE_OUTPUTS, read from TREE_CUTS only)."""
     outs = [o.name for o in tapped.graph.output if o.name not in DRAFT_CUTS]
+    tree = [o for o in outs if o in TREE_OUTPUTS]
     hidden, logits = DRAFT_CUTS
-    wanted = {"backbone": ([], [hidden]), "lm_head": ([hidden], [logits]), "head": ([hidden, logits], outs)}
+    wanted = {"backbone": ([], [hidden]), "lm_head": ([hidden], [logits]),
+              "head": ([hidden, logits], [o for o in outs if o not in tree])}
+    if tree:
+        wanted["tree"] = (list(TREE_CUTS), tree)
     io = {p: (part_inputs(tapped.graph, o, stops), o) for p, (stops, o) in wanted.items()}
     if io["lm_head"][0] != [hidden]:
         raise RuntimeError(f"the LM-head part of the draft graph reads {io['lm_head'][0]}, expected only {hidden}")
     if hidden in io["backbone"][0] or logits in io["backbone"][0]:
         raise RuntimeError("the backbone part of the draft graph reads a cut tensor")
+    if tree and io["tree"][0] != list(TREE_CUTS):
+        raise RuntimeError(f"the tree part of the draft graph reads {io['tree'][0]}, expected only {list(TREE_CUTS)}")
     return io
 
 
 def split_draft(tapped, out_dir) -> dict[str, "onnx.ModelProto"]:
-    """Cut a tapped draft graph (`_export_draft_tapped`) into its three parts and write them to
+    """Cut a tapped draft graph (`_export_draft_tapped`) into its parts and write them to
     `out_dir` under DRAFT_PART_FILES (stage of each part: DRAFT_PART_STAGES):
 
         backbone  anchor_ids, anchor_pos, ctx_lengths, ctx_k_i, ctx_v_i -> slot_hidden [N, S, H]
         lm_head   slot_hidden -> slot_logits [N, S, V'] (the frozen target head, or its draft-vocabulary rows)
         head      slot_hidden, slot_logits, target_state -> tokens, cand_ids (+ anchor_scores,
                   pair_scores): top-K, confidence features, head, LatticeMatch, GreedyWalk
+        tree      anchor_scores, pair_scores -> TREE_OUTPUTS (lilicorr::DraftTree), in graphs with
+                  a draft tree only; the runner runs it only for rule `tree`
 
     Every node of the part is copied unchanged (onnx.utils.Extractor), so the chain computes what
     the whole graph computes; `validate_split` checks that at build time."""
@@ -399,8 +414,9 @@ def _load_parts(part_files: dict) -> dict:
 
 
 def validate_split(model, draft_path, part_paths: dict, draft_cases=DRAFT_CASES) -> dict:
-    """Run the whole draft graph and the chain of its three parts in ONNX Runtime on the same
-    sample inputs: every output must be bit-identical (tokens, cand_ids and the lattice scores)."""
+    """Run the whole draft graph and the chain of its parts (`part_paths`, in DRAFT_PARTS order) in
+    ONNX Runtime on the same sample inputs: every output must be bit-identical (tokens, cand_ids,
+    the lattice scores and the draft tree)."""
     from lilicorr.ort_runner import OrtSession, run_draft_parts
 
     whole = OrtSession(draft_path)
@@ -409,7 +425,7 @@ def validate_split(model, draft_path, part_paths: dict, draft_cases=DRAFT_CASES)
     for i, (n, c) in enumerate(draft_cases):
         feeds = _flat_draft_feeds(model, draft_inputs(model, n, c, seed=300 + i))
         ref = whole.run(feeds)
-        got = run_draft_parts([parts[p] for p in DRAFT_PARTS], feeds)
+        got = run_draft_parts([parts[p] for p in DRAFT_PARTS if p in parts], feeds)
         case = {"N": n, "C": c, "bit_identical": all(torch.equal(got[k], v) for k, v in ref.items()),
                 "tokens_equal": torch.equal(got["tokens"], ref["tokens"]),
                 "cand_ids_equal": torch.equal(got["cand_ids"], ref["cand_ids"]),
@@ -424,8 +440,8 @@ def validate_split(model, draft_path, part_paths: dict, draft_cases=DRAFT_CASES)
 def check_split_drafts(model, folder: Path, files: dict, draft_cases, what: str) -> dict:
     """`validate_split` of the graphs `files` names in `folder` (graph -> file: draft and
     draft_<part>); raises BuildError unless the parts draft the whole graph's tokens and candidates."""
-    rep = validate_split(model, folder / files["draft"], {p: folder / files[f"draft_{p}"] for p in DRAFT_PARTS},
-                         draft_cases)
+    rep = validate_split(model, folder / files["draft"],
+                         {p: folder / files[f"draft_{p}"] for p in DRAFT_PARTS if f"draft_{p}" in files}, draft_cases)
     if not (rep["tokens_equal"] and rep["cand_ids_equal"]):
         raise BuildError(f"the {what} draft parts draft other tokens than the {what} whole graph {files['draft']}")
     return rep
@@ -829,11 +845,11 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
         t0 = time.perf_counter()
         log("[build] exporting context.onnx (torch.onnx dynamo)")
         ctx_proto = export_context(model, tmp / CONTEXT_ONNX)
-        log("[build] exporting draft.onnx and its three parts (torch.onnx dynamo)")
+        log("[build] exporting draft.onnx and its parts (torch.onnx dynamo)")
         tree_nodes = opts.tree_nodes if has_head else 0
         draft_proto = export_draft(model, tmp / DRAFT_ONNX, parts_dir=tmp, tree_nodes=tree_nodes)
         t_export = time.perf_counter() - t0
-        part_files = {p: tmp / DRAFT_PART_FILES[p] for p in DRAFT_PARTS}
+        part_files = {p: tmp / DRAFT_PART_FILES[p] for p in DRAFT_PARTS if (tmp / DRAFT_PART_FILES[p]).is_file()}
         draft_summary = graph_summary(draft_proto)
         ops = sorted({n["op_type"] for n in draft_summary["custom_nodes"]})
         want = (["DraftTree"] if tree_nodes else []) + (["GreedyWalk", "LatticeMatch"] if has_head else [])
@@ -851,17 +867,19 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                 "sample rows differ in drafted tokens / candidates (near-ties in top-K?)")
         validation["split"] = validate_split(model, tmp / DRAFT_ONNX, part_files, opts.draft_cases)
         if not validation["split"]["bit_identical"]:
-            raise BuildError("the three draft parts chained in ONNX Runtime differ from draft.onnx "
+            raise BuildError("the draft parts chained in ONNX Runtime differ from draft.onnx "
                              f"(max abs diff {validation['split']['max_abs_diff']:.3g}); the split is wrong")
         manifest_ort = None
         if opts.backend == "onnxruntime":
             log(f"[build] optimising for ONNX Runtime ({ORT_LEVEL})")
             files = {}
             sources = [("context", CONTEXT_ONNX), ("draft", DRAFT_ONNX)]
-            sources += [(f"draft_{p}", DRAFT_PART_FILES[p]) for p in DRAFT_PARTS]
+            sources += [(f"draft_{p}", DRAFT_PART_FILES[p]) for p in part_files]
+            fused = {}
             for graph, src in sources:
                 dst = src.replace(".onnx", ORT_SUFFIX)
                 optimize_onnxruntime(tmp / src, tmp / dst)
+                fused[graph] = fuse_file(tmp / dst)       # RMSNorm chains -> one kernel each
                 files[graph] = dst
             val_opt = validate_onnxruntime(model, tmp / files["context"], tmp / files["draft"],
                                            opts.draft_cases, opts.context_cases, tree_nodes)
@@ -885,7 +903,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                 val_q["split"] = check_split_drafts(model, tmp, files, opts.draft_cases, "int8")
                 validation["int8"] = val_q
             import onnxruntime as ort
-            manifest_ort = {"files": files, "graph_optimization_level": ORT_LEVEL,
+            manifest_ort = {"files": files, "graph_optimization_level": ORT_LEVEL, "fused_rms_norms": fused,
                             "session_level": "ORT_ENABLE_ALL", "providers": ["CPUExecutionProvider"],
                             "version": ort.__version__, "draft_weights": draft_weights,
                             "quantized": quantized}

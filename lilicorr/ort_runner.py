@@ -10,12 +10,13 @@ outside the graphs, in a `KVCache` (one slot per sequence, ragged lengths, rollb
                     anchor_scores [N, K], pair_scores [N, S-1, K, K] and, in engines built with
                     a tree budget M, rule `tree`'s draft tree (lilicorr::DraftTree) of M nodes
 
-Under ONNX Runtime the draft graph runs as its three parts (`lilicorr.export.split_draft`), one
+Under ONNX Runtime the draft graph runs as its parts (`lilicorr.export.split_draft`), one
 session each and each under its own stage of the stage table: backbone -> slot_hidden
 (STAGE_DRAFT), LM head -> slot_logits (STAGE_LM_HEAD), top-K + head + LatticeMatch + GreedyWalk
--> tokens (STAGE_HEAD), the same boundaries as the torch runner's. The chain is bit-identical to
-the whole graph (checked at build time). The TensorRT plans keep the whole graph; its stage is
-titled as backbone + LM head + head.
+-> tokens (STAGE_HEAD), the same boundaries as the torch runner's, and in engines with a tree
+budget the tree part (DraftTree, STAGE_HEAD), run only when a row drafts for rule `tree`. The
+chain is bit-identical to the whole graph (checked at build time). The TensorRT plans keep the
+whole graph; its stage is titled as backbone + LM head + head.
 
 Decode rules are applied on the host from the outputs: lilicorr = the graph's greedy walk,
 argmax = cand_ids[..., 0], viterbi = lilicorr.lattice.viterbi on the scores.
@@ -177,7 +178,7 @@ class TensorRTSession:
 class GraphDraftRunner(ContextCacheRunner):
     """Runner over the graphs of an engine directory. `sessions` = (context, draft) where draft is
     one session for the whole draft graph, or a list of sessions for its parts (backbone, LM head,
-    head; see `lilicorr.export.split_draft`), each timed under its own stage. A whole graph is
+    head[, tree]; see `lilicorr.export.split_draft`), each timed under its own stage. A whole graph is
     timed as one stage, STAGE_DRAFT, marked as including the LM head and the head
     (`profiling.stage(..., includes=...)`), so the stage table labels it as what it is."""
 
@@ -219,8 +220,10 @@ class GraphDraftRunner(ContextCacheRunner):
 
     @torch.no_grad()
     def draft(self, slots: torch.Tensor, anchors: torch.Tensor, anchor_pos: torch.Tensor,
-              target_state: torch.Tensor, rules: list[str]) -> Proposal:
-        """slots/anchors/anchor_pos [N]; target_state [N, n, H]; rules: one decode rule per row."""
+              target_state: torch.Tensor, rules: list[str], tree: bool = False) -> Proposal:
+        """slots/anchors/anchor_pos [N]; target_state [N, n, H]; rules: one decode rule per row;
+        tree: also build rule `tree`'s draft tree (the whole graph always builds it, a split graph
+        runs its tree part only when asked)."""
         bad = [r for r in rules if r not in ("lilicorr", "viterbi", "argmax")]
         if bad:
             raise ValueError(f"unknown decode rule {bad[0]!r} for a draft runner; choose from lilicorr, viterbi, argmax")
@@ -239,7 +242,7 @@ class GraphDraftRunner(ContextCacheRunner):
             if self._has_head:
                 feeds["target_state"] = target_state.float()
             if self._split:
-                backbone, lm_head, head = self._draft
+                backbone, lm_head, head, *tree_part = self._draft
                 feeds.update(backbone.run(feeds))
             else:
                 out = self._draft.run(feeds)
@@ -249,6 +252,8 @@ class GraphDraftRunner(ContextCacheRunner):
         with stage(STAGE_HEAD):
             if self._split:
                 out = head.run(feeds)
+                if tree and tree_part:
+                    out.update(tree_part[0].run(out))
             cand_ids = out["cand_ids"].long()                                      # [N, S, K]
             tokens = out["tokens"].long().clone()                                  # [N, S]
             a_s, p_s = out.get("anchor_scores"), out.get("pair_scores")
@@ -266,13 +271,15 @@ class GraphDraftRunner(ContextCacheRunner):
 
 
 DRAFT_PART_GRAPHS = ("draft_backbone", "draft_lm_head", "draft_head")   # manifest["graphs"] keys
+DRAFT_TREE_GRAPH = "draft_tree"             # the fourth part, in engines built with a tree budget
 
 
 class OrtDraftRunner(GraphDraftRunner):
     """ONNX Runtime (CPU) over the engine's graphs: the ORT-optimised copies when the engine was
     built for onnxruntime, else the portable ones (local functions). The draft graph runs as its
-    three parts (one session each: backbone, LM head, head) when the engine has them (engines
-    built before the split have only the whole graph: one session, labelled as such)."""
+    parts (one session each: backbone, LM head, head, and the draft tree in engines with a tree
+    budget) when the engine has them (engines built before the split have only the whole graph:
+    one session, labelled as such; in engines built before the tree part, the head builds the tree)."""
 
     fused_label = "one ONNX Runtime graph"
 
@@ -290,7 +297,7 @@ class OrtDraftRunner(GraphDraftRunner):
 
         ctx = OrtSession(path("context"), threads)
         if all(g in graphs for g in DRAFT_PART_GRAPHS):
-            draft = [OrtSession(path(g), threads) for g in DRAFT_PART_GRAPHS]
+            draft = [OrtSession(path(g), threads) for g in DRAFT_PART_GRAPHS + (DRAFT_TREE_GRAPH,) if g in graphs]
         else:
             draft = OrtSession(path("draft"), threads)
         super().__init__(manifest, [ctx, draft], num_slots, capacity)

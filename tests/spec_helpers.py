@@ -147,7 +147,7 @@ class ScriptedRunner(TorchDraftRunner):
         super().append_context(slots, feats, start_pos)
 
     @torch.no_grad()
-    def draft(self, slots, anchors, anchor_pos, target_state, rules) -> Proposal:
+    def draft(self, slots, anchors, anchor_pos, target_state, rules, tree=False) -> Proposal:
         self.calls += 1
         if self.fail_on_draft:
             raise RuntimeError("scripted draft failure")

@@ -100,6 +100,14 @@ def test_manifest_fields(ort_engine, tiny_ckpt, llama_dir):
     # the chained parts compute exactly what the whole draft graph computes (portable and optimised)
     for split in (v["split"], v["optimized"]["split"]):
         assert split["bit_identical"] and split["max_abs_diff"] == 0.0 and len(split["cases"]) >= 3
+    # the ORT copies run each RMSNorm as one kernel: the context's norm, the drafter layers' and the head's
+    fused = m["onnxruntime"]["fused_rms_norms"]
+    assert set(fused) == set(m["onnxruntime"]["files"]) and fused["draft_lm_head"] == fused["draft_tree"] == 0
+    assert fused["context"] >= 1 and fused["draft_backbone"] >= 3 and fused["draft_head"] >= 3
+    assert fused["draft"] == fused["draft_backbone"] + fused["draft_head"]
+    for graph, name in m["onnxruntime"]["files"].items():
+        ops = [n.op_type for n in onnx.load(str(ort_engine / name), load_external_data=False).graph.node]
+        assert ops.count("SimplifiedLayerNormalization") == fused[graph] and "Pow" not in ops, graph
     print(f"\nvalidation max_abs_err: context {v['context']['max_abs_err']:.3g}, anchor_scores "
           f"{v['draft']['anchor_scores_max_abs_err']:.3g}, pair_scores {v['draft']['pair_scores_max_abs_err']:.3g}")
 
@@ -172,13 +180,15 @@ def test_ort_runner_matches_torch_runner(ort_engine, tiny_ckpt, llama_dir):
         apos = torch.tensor([ref.context_length(int(s)) for s in slots])
         state = torch.randn(3, n, 64, generator=g)
         rules = [["lilicorr", "viterbi", "argmax"], ["viterbi"] * 3, ["lilicorr"] * 3][step]
-        a = ref.draft(slots, anchors, apos, state, rules)
-        b = ort.draft(slots, anchors, apos, state, rules)
+        a = ref.draft(slots, anchors, apos, state, rules, tree=True)
+        b = ort.draft(slots, anchors, apos, state, rules, tree=step > 0)
         assert torch.equal(a.cand_ids, b.cand_ids) and torch.equal(a.tokens, b.tokens), step
-        # the graph's draft tree (lilicorr::DraftTree) is the torch reference's on the graph's scores
-        want = L.build_tree(b.anchor_scores, b.pair_scores, 16)
-        assert a.tree is None and all(torch.equal(x, y) for x, y in zip(
-            (b.tree.parent, b.tree.depth, b.tree.cand), (want.parent, want.depth, want.cand))), step
+        if step == 0:      # no tree row: the tree part does not run
+            assert b.tree is None
+        else:              # the graph's draft tree (lilicorr::DraftTree) is the torch reference's on its scores
+            want = L.build_tree(b.anchor_scores, b.pair_scores, 16)
+            assert a.tree is None and all(torch.equal(x, y) for x, y in zip(
+                (b.tree.parent, b.tree.depth, b.tree.cand), (want.parent, want.depth, want.cand))), step
         assert [ref.context_length(int(s)) for s in slots] == [ort.context_length(int(s)) for s in slots]
         lens = [1, 3, 2]
     ort.free(int(slots[0]))
@@ -210,26 +220,33 @@ def test_ort_sessions_take_torch_threads_and_do_not_spin(ort_engine, llama_dir, 
         ort_threads(0)
 
 
-def test_draft_parts_cut_at_slot_hidden_and_logits(ort_engine):
-    """draft.onnx cut into backbone -> slot_hidden, LM head -> slot_logits, head -> tokens: the
-    LM-head part is the projection alone and only the head part carries the lilicorr nodes."""
+def test_draft_parts_cut_at_slot_hidden_logits_and_scores(ort_engine):
+    """draft.onnx cut into backbone -> slot_hidden, LM head -> slot_logits, head -> tokens and the
+    lattice scores, tree -> the draft tree: the LM-head part is the projection alone, the head part
+    carries LatticeMatch and GreedyWalk, the tree part DraftTree alone, read from the scores."""
+    from lilicorr.ort_runner import TREE_OUTPUTS
     from lilicorr.plugins.onnx_functions import lilicorr_nodes
 
     m = read_manifest(ort_engine)
-    g = {p: m["graphs"][f"draft_{p}"] for p in ("backbone", "lm_head", "head")}
+    g = {p: m["graphs"][f"draft_{p}"] for p in ("backbone", "lm_head", "head", "tree")}
     assert list(g["backbone"]["outputs"]) == ["slot_hidden"]
     assert "target_state" not in g["backbone"]["inputs"]
     assert list(g["lm_head"]["inputs"]) == ["slot_hidden"] and list(g["lm_head"]["outputs"]) == ["slot_logits"]
     assert {"slot_hidden", "slot_logits", "target_state"} <= set(g["head"]["inputs"])
-    assert list(g["head"]["outputs"]) == list(m["graphs"]["draft"]["outputs"])
-    assert [g[p]["stage"] for p in g] == ["draft_backbone", "lm_head_projection", "speculative_head"]
+    whole = list(m["graphs"]["draft"]["outputs"])
+    assert list(g["head"]["outputs"]) == [o for o in whole if o not in TREE_OUTPUTS]
+    assert list(g["tree"]["inputs"]) == ["anchor_scores", "pair_scores"]
+    assert list(g["tree"]["outputs"]) == list(TREE_OUTPUTS) == [o for o in whole if o in TREE_OUTPUTS]
+    assert [g[p]["stage"] for p in g] == ["draft_backbone", "lm_head_projection", "speculative_head",
+                                          "speculative_head"]
     for p in ("backbone", "lm_head"):
         proto = onnx.load(str(ort_engine / f"draft.{p}.onnx"))
         onnx.checker.check_model(proto)
         assert not lilicorr_nodes(proto) and not list(proto.functions)
-    head = onnx.load(str(ort_engine / "draft.head.onnx"))
-    assert {n.op_type for n in lilicorr_nodes(head)} == {"LatticeMatch", "GreedyWalk", "DraftTree"}
-    assert {f.name for f in head.functions} == {"LatticeMatch", "GreedyWalk", "DraftTree"}
+    for p, ops in (("head", {"LatticeMatch", "GreedyWalk"}), ("tree", {"DraftTree"})):
+        proto = onnx.load(str(ort_engine / f"draft.{p}.onnx"))
+        assert {n.op_type for n in lilicorr_nodes(proto)} == ops
+        assert {f.name for f in proto.functions} == ops
 
 
 def test_ort_stage_table_times_backbone_lm_head_and_head(ort_engine, llama_dir):
@@ -556,12 +573,15 @@ def test_int8_engine_serves_quantized_graphs(int8_engine):
     m = read_manifest(int8_engine, check_files=True)
     assert m["draft_weights"] == "int8" and m["onnxruntime"]["draft_weights"] == "int8"
     files = m["onnxruntime"]["files"]
-    assert set(files) == {"context", "draft", "draft_backbone", "draft_lm_head", "draft_head"}
+    assert set(files) == {"context", "draft", "draft_backbone", "draft_lm_head", "draft_head", "draft_tree"}
     for graph, name in files.items():
         assert name.endswith(".int8.onnx") and len(m["files"][name]["sha256"]) == 64, graph
         q = m["onnxruntime"]["quantized"][graph]
-        assert q["file"] == name and q["quantized_matmuls"] >= 1, (graph, q)
         model = onnx.load(str(int8_engine / name), load_external_data=False)
+        if graph == "draft_tree":      # the draft tree has no weights: its int8 copy is the same graph
+            assert q["file"] == name and q["quantized_matmuls"] == q["float_matmuls_left"] == 0, q
+            continue
+        assert q["file"] == name and q["quantized_matmuls"] >= 1, (graph, q)
         assert {"MatMulInteger", "DynamicQuantizeMatMul"} & {n.op_type for n in model.graph.node}, graph
     lm = m["onnxruntime"]["quantized"]["draft_lm_head"]
     assert lm["float_matmuls_left"] == 0 and lm["int8_bytes"] < lm["bytes"] / 2

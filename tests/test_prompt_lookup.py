@@ -123,10 +123,10 @@ def test_lookup_steps_are_exact_lossless_and_skip_the_drafter(tiny_target_dir, d
     drafted_rows = []
     draft = runner.draft
 
-    def spy(slots, anchors, anchor_pos, state, rules):
+    def spy(slots, anchors, anchor_pos, state, rules, **kw):
         for slot, pos in zip(slots.tolist(), anchor_pos.tolist()):
             drafted_rows.append((runner.key_of[slot], pos))
-        return draft(slots, anchors, anchor_pos, state, rules)
+        return draft(slots, anchors, anchor_pos, state, rules, **kw)
 
     runner.draft = spy
     results, events = run_requests(engine, reqs, runner=runner)

@@ -159,9 +159,11 @@ class TritonPythonModel:
         def on_step(stats, events):
             if not self._serving.is_set():
                 return
-            self.metrics.sync(stats)
+            # stages first, request counters last: a scrape that sees a request ended then sees
+            # every block of it (a publish can carry several steps' blocks: METRICS_EVERY_S)
             if timer is not None:
                 self.metrics.sync_stages(timer)
+            self.metrics.sync(stats)
 
         self.timer = timer
         self.loop = EngineLoop(
