@@ -598,8 +598,7 @@ class SpecEngine:
                 self.cost.observe_verify(n, t, verify_s)
         events = []
         with stage(STAGE_ACCEPT):
-            logits = out.logits                                               # [N, T, V]
-            greedy = logits.argmax(-1).tolist()                               # [N][T]
+            greedy = out.greedy().tolist()                                    # [N][T]
             block = block.tolist()                                            # [N][T]
             pools = prop.cand_ids.cpu().tolist() if prop is not None else None  # [D][S][K]
             where = {i: j for j, i in enumerate(d_idx)}
@@ -609,7 +608,7 @@ class SpecEngine:
                 n_d = lengths[i]
                 drafts = block[i][1: 1 + n_d]
                 if s.temperature > 0:
-                    a, bonus = self._reject_sample(logits[i, : n_d + 1], drafts, s)
+                    a, bonus = self._reject_sample(out.logits[i, : n_d + 1], drafts, s)
                 else:                     # the longest prefix of drafts equal to the target's argmax
                     a = 0
                     while a < n_d and drafts[a] == greedy[i][a]:

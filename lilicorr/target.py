@@ -114,9 +114,30 @@ class TargetConfig:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor | None       # [N, T, V] float32
+    """A forward's outputs. After a packed call (`Packing`) the logits stay packed until `logits`
+    is read: a verify step needs only their argmax (`greedy`), and unpacking [M, V] into [N, T, V]
+    writes the whole vocabulary for every padding token."""
+    packed_logits: torch.Tensor | None  # [N, T, V] float32, or [1, M, V] with `packing`
     captured: torch.Tensor | None     # [N, T, n, H] outputs of the `capture` layers, in that order
     last_hidden: torch.Tensor         # [N, T, H] after the final norm
+    packing: "Packing | None" = None
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """[N, T, V] float32 (zeros at a packed call's padding)."""
+        if self.packing is not None and self.packed_logits is not None:
+            self.packed_logits, self.packing = self.packing.unpack(self.packed_logits), None
+        return self.packed_logits
+
+    def greedy(self) -> torch.Tensor:
+        """[N, T] long: the argmax of each token's logits (0 at a packed call's padding, as the
+        argmax of its zeros), computed on the real tokens only."""
+        if self.packing is None:
+            return self.packed_logits.argmax(-1)
+        p = self.packing
+        out = torch.zeros(p.n * p.t, dtype=torch.long, device=self.packed_logits.device)
+        out[p.index] = self.packed_logits[0].argmax(-1)
+        return out.view(p.n, p.t)
 
 
 class RMSNorm(nn.Module):
@@ -334,9 +355,9 @@ class TargetModel(nn.Module):
             want[len(self.layers) - 1] = h
         captured = torch.stack([want[k] for k in capture], dim=2) if capture else None  # [N, T, n, H]
         out = self.lm_head(h).float() if logits else None                            # [N, T, V]
-        if packing is not None:      # back to [N, T, ...], zeros at the padding
-            out, captured, h = (packing.unpack(z) if z is not None else None for z in (out, captured, h))
-        return TargetOutput(logits=out, captured=captured, last_hidden=h)
+        if packing is not None:      # back to [N, T, ...], zeros at the padding (the logits when read)
+            captured, h = (packing.unpack(z) if z is not None else None for z in (captured, h))
+        return TargetOutput(out, captured, h, packing if out is not None else None)
 
 
 def attention_mask(start: torch.Tensor | None, t: int, dtype: torch.dtype, device: torch.device,

@@ -400,6 +400,13 @@ def test_packed_verify_is_the_padded_verify_on_every_real_token(tiny_target_dir,
         outs.append(model(block, 6 + _positions(3, 4), cache=cache, rows=rows, valid=v, capture=[0, 1]))
         assert cache.lengths.tolist() == (torch.tensor([6, 3, 5]) + (4 if v is None else valid)).tolist()
     padded, packed = outs
+    # the argmax is taken on the packed logits (no [N, T, V] unpack): the padded forward's on every
+    # real token, 0 at the padding
+    assert packed.packing is not None and packed.packed_logits.shape == (1, int(valid.sum()), model.config.vocab_size)
+    greedy, want = packed.greedy(), padded.logits.argmax(-1)
+    real = torch.arange(4)[None, :] < valid[:, None]
+    assert torch.equal(greedy[real], want[real]) and not greedy[~real].any()
+    assert torch.equal(padded.greedy(), want)
     for i, n in enumerate(valid.tolist()):
         assert torch.equal(packed.logits[i, :n], padded.logits[i, :n]), (family, i)
         assert torch.equal(packed.captured[i, :n], padded.captured[i, :n]), (family, i)
