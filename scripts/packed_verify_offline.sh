@@ -4,7 +4,7 @@
 # humaneval and on general chat prompts, once with the code of commit BEFORE (default e54f5cc, the
 # padded verify; run from a git worktree, which python -m imports ahead of the installed package,
 # with its own kernel build folder) and once with this checkout, taking turns per cell.
-#   BEFORE, OUT (default results/packed_verify_epyc/offline)
+#   BEFORE, OUT (default results/packed_verify_epyc/offline), ROWS (default "4 8")
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
@@ -24,7 +24,7 @@ run() {  # dir tag suite rows
   sed -i "s#$root/##g" "$out/$name.json" "$out/$name.log"      # paths relative to the checkout
 }
 for suite in humaneval "$root/lilicorr/data/chat_first_turn.jsonl"; do
-  for rows in 4 8; do
+  for rows in ${ROWS:-4 8}; do
     run "$old" old "$suite" "$rows"
     run "$root" new "$suite" "$rows"
   done
