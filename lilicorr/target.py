@@ -354,7 +354,7 @@ class TargetModel(nn.Module):
         if len(self.layers) - 1 in want:  # HF's last hidden_states entry is taken after the final norm
             want[len(self.layers) - 1] = h
         captured = torch.stack([want[k] for k in capture], dim=2) if capture else None  # [N, T, n, H]
-        out = self.lm_head(h).float() if logits else None                            # [N, T, V]
+        out = self.lm_head(h).float() if logits else None                 # [N, T, V] ([1, M, V] packed)
         if packing is not None:      # back to [N, T, ...], zeros at the padding (the logits when read)
             captured, h = (packing.unpack(z) if z is not None else None for z in (captured, h))
         return TargetOutput(out, captured, h, packing if out is not None else None)
