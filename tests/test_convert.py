@@ -349,6 +349,20 @@ def test_engine_ort_equals_torch(ort_engine, llama_dir):
     assert len(dr_t) == len(dr_o) and all(torch.equal(a, b) for a, b in zip(dr_t, dr_o))
 
 
+def test_engine_runs_the_tree_part_only_for_tree_rows(ort_engine, llama_dir):
+    """Through SpecEngine on ONNX Runtime: a `tree` row's proposals carry the graph's draft tree
+    (the tree part ran), a `lilicorr` row's carry none (it did not), and both decode to the
+    target's greedy output."""
+    from lilicorr.engine import SpecEngine
+
+    plain = SpecEngine.from_paths(llama_dir, max_batch=4, max_seq_len=128)
+    ar = [r.tokens for r in plain.generate(PROMPTS, 12, rule="ar")]
+    for rule, has_tree in (("tree", True), ("lilicorr", False)):
+        out, props = generate_recording_drafts(llama_dir, ort_engine, "onnxruntime", (rule,), 12)
+        assert out[rule] == ar and props, rule
+        assert all((p.tree is not None) == has_tree for p in props), rule
+
+
 def test_make_runner_errors(ort_engine, tiny_ckpt, llama_dir, tiny_target_dir, tmp_path):
     target = load_target(llama_dir)
     with pytest.raises(ValueError, match="unknown draft backend"):
