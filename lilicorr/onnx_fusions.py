@@ -16,13 +16,13 @@ import numpy as np
 RMS_NORM_OP = "SimplifiedLayerNormalization"     # ONNX Runtime contrib op, default domain
 
 
-def _constant(graph, name: str, producer: dict):
-    """The value of `name` when it is an initializer or a Constant node's output, else None."""
+def _constant(inits: dict, name: str, producer: dict):
+    """The value of `name` when it is an initializer (`inits`: name -> TensorProto) or a Constant
+    node's output, else None."""
     from onnx import numpy_helper
 
-    for init in graph.initializer:
-        if init.name == name:
-            return numpy_helper.to_array(init)
+    if name in inits:
+        return numpy_helper.to_array(inits[name])
     node = producer.get(name)
     if node is not None and node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
         return numpy_helper.to_array(node.attribute[0].t)
@@ -47,6 +47,7 @@ def fuse_rms_norm(model) -> int:
         for i in n.input:
             consumers.setdefault(i, []).append(n)
     graph_outputs = {o.name for o in g.output}
+    inits = {i.name: i for i in g.initializer}
 
     def sole_consumer(name: str, op_type: str):
         c = consumers.get(name, [])
@@ -63,15 +64,15 @@ def fuse_rms_norm(model) -> int:
         square = producer.get(reduce.input[0])
         if square is None or square.op_type != "Pow" or sole_consumer(square.output[0], "ReduceMean") is not reduce:
             continue
-        if _scalar(_constant(g, square.input[1], producer)) != 2.0:
+        if _scalar(_constant(inits, square.input[1], producer)) != 2.0:
             continue
         x = square.input[0]
-        axes = _constant(g, reduce.input[1], producer) if len(reduce.input) > 1 else None
+        axes = _constant(inits, reduce.input[1], producer) if len(reduce.input) > 1 else None
         keepdims = next((a.i for a in reduce.attribute if a.name == "keepdims"), 1)
         if axes is None or [int(a) for a in np.asarray(axes).reshape(-1)] != [-1] or not keepdims:
             continue
         add = sole_consumer(reduce.output[0], "Add")
-        eps = _scalar(_constant(g, other_input(add, reduce.output[0]), producer)) if add is not None else None
+        eps = _scalar(_constant(inits, other_input(add, reduce.output[0]), producer)) if add is not None else None
         sqrt = sole_consumer(add.output[0], "Sqrt") if eps is not None else None
         recip = sole_consumer(sqrt.output[0], "Reciprocal") if sqrt is not None else None
         norm = sole_consumer(recip.output[0], "Mul") if recip is not None else None
@@ -79,7 +80,7 @@ def fuse_rms_norm(model) -> int:
             continue
         scale = sole_consumer(norm.output[0], "Mul")
         weight = other_input(scale, norm.output[0]) if scale is not None else None
-        w = _constant(g, weight, producer) if weight is not None else None
+        w = _constant(inits, weight, producer) if weight is not None else None
         if w is None or w.ndim != 1:
             continue
         chain = (square, reduce, add, sqrt, recip, norm, scale)
