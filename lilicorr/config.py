@@ -120,6 +120,7 @@ class TrainConfig:
     epochs: int = 6
     num_anchors: int = 512
     max_steps: int = 0          # 0 -> epochs * len(data) / global_batch
+    freeze_drafter: bool = False  # train the head alone on a fixed drafter (L_DFlash then has no gradient)
     seed: int = 42
     log_every: int = 10
     save_every: int = 0         # 0 -> only at the end

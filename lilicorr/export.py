@@ -287,9 +287,10 @@ def _export_draft_tapped(model, tree_nodes: int = 0):
     return proto
 
 
-def export_draft(model, path, parts_dir=None, tree_nodes: int = 0) -> "onnx.ModelProto":
+def export_draft(model, path, parts_dir=None, tree_nodes: int = 0) -> tuple["onnx.ModelProto", dict]:
     """Write draft.onnx (+ local functions of the lilicorr nodes) for `model` to `path`; with
-    `parts_dir`, also its three-part split there (`split_draft`, files DRAFT_PART_FILES).
+    `parts_dir`, also its split there (`split_draft`, files DRAFT_PART_FILES). Returns the draft
+    graph and the parts written ({part: proto}, empty without `parts_dir`).
     tree_nodes M > 0 (LiLiCorr checkpoints): the graph also builds rule `tree`'s draft tree of M
     nodes (lilicorr::DraftTree, outputs TREE_OUTPUTS)."""
     import onnx
@@ -302,9 +303,8 @@ def export_draft(model, path, parts_dir=None, tree_nodes: int = 0) -> "onnx.Mode
     proto.doc_string = ("lilicorr draft block: anchor + cached context K/V -> drafted tokens (greedy walk), "
                         "top-K candidates, lattice scores")
     _save(proto, Path(path), _proto_bytes(proto))
-    if parts_dir is not None:
-        split_draft(tapped, parts_dir)
-    return proto
+    parts = split_draft(tapped, parts_dir) if parts_dir is not None else {}
+    return proto, parts
 
 
 def _proto_bytes(proto) -> int:
@@ -405,12 +405,6 @@ def split_draft(tapped, out_dir) -> dict[str, "onnx.ModelProto"]:
         _save(proto, Path(out_dir) / DRAFT_PART_FILES[part], _proto_bytes(proto))
         parts[part] = proto
     return parts
-
-
-def _load_parts(part_files: dict) -> dict:
-    import onnx
-
-    return {p: onnx.load(str(f), load_external_data=False) for p, f in part_files.items()}
 
 
 def validate_split(model, draft_path, part_paths: dict, draft_cases=DRAFT_CASES) -> dict:
@@ -847,9 +841,9 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
         ctx_proto = export_context(model, tmp / CONTEXT_ONNX)
         log("[build] exporting draft.onnx and its parts (torch.onnx dynamo)")
         tree_nodes = opts.tree_nodes if has_head else 0
-        draft_proto = export_draft(model, tmp / DRAFT_ONNX, parts_dir=tmp, tree_nodes=tree_nodes)
+        draft_proto, part_protos = export_draft(model, tmp / DRAFT_ONNX, parts_dir=tmp, tree_nodes=tree_nodes)
         t_export = time.perf_counter() - t0
-        part_files = {p: tmp / DRAFT_PART_FILES[p] for p in DRAFT_PARTS if (tmp / DRAFT_PART_FILES[p]).is_file()}
+        part_files = {p: tmp / DRAFT_PART_FILES[p] for p in DRAFT_PARTS if p in part_protos}
         draft_summary = graph_summary(draft_proto)
         ops = sorted({n["op_type"] for n in draft_summary["custom_nodes"]})
         want = (["DraftTree"] if tree_nodes else []) + (["GreedyWalk", "LatticeMatch"] if has_head else [])
@@ -960,7 +954,7 @@ def build_engine_dir(ckpt_dir, target_dir=None, out_dir=None, opts: BuildOptions
                        "draft": {"file": DRAFT_ONNX, **draft_summary},
                        **{f"draft_{p}": {"file": DRAFT_PART_FILES[p], "part_of": DRAFT_ONNX,
                                          "stage": DRAFT_PART_STAGES[p], **graph_summary(proto)}
-                          for p, proto in _load_parts(part_files).items()}},
+                          for p, proto in ((p, part_protos[p]) for p in part_files)}},
             "onnxruntime": manifest_ort,
             "tensorrt": trt_section,
             "validation": validation,

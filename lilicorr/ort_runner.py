@@ -71,8 +71,9 @@ def ort_threads(threads: int | None = None) -> int:
 
 
 def ort_session(path, optimize: bool = True, threads: int | None = None, optimized_out=None,
-                level: str = "ORT_ENABLE_ALL"):
-    """An ONNX Runtime CPU session; `optimized_out` saves the optimised graph there.
+                level: str = "ORT_ENABLE_ALL", profile_prefix=None):
+    """An ONNX Runtime CPU session; `optimized_out` saves the optimised graph there; with
+    `profile_prefix` ONNX Runtime's profiler is on and `end_profiling()` writes under that prefix.
 
     Threads: `threads`, else $LILICORR_ORT_THREADS, else torch's intra-op thread count. The drafter
     runs between target forwards on the same cores, never beside them, so it gets the same thread
@@ -91,6 +92,8 @@ def ort_session(path, optimize: bool = True, threads: int | None = None, optimiz
     so.inter_op_num_threads = 1
     so.add_session_config_entry("session.intra_op.allow_spinning", os.environ.get("LILICORR_ORT_SPIN", "0"))
     so.log_severity_level = 3
+    if profile_prefix is not None:
+        so.enable_profiling, so.profile_file_prefix = True, str(profile_prefix)
     if optimized_out is not None:
         so.optimized_model_filepath = str(optimized_out)
         if Path(str(path) + ".data").is_file():     # weights > 2 GB stay in an external file

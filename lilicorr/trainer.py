@@ -93,6 +93,10 @@ class Trainer:
         self.micro_batch = micro_batch or self.per_rank
         torch.manual_seed(tc.seed)                               # identical init on every rank
         self.model = LiLiCorrModel(cfg, target).to(self.device)
+        if tc.freeze_drafter:
+            if self.model.head is None:
+                raise ValueError("a frozen drafter leaves nothing to train without a LiLiCorr head (--vanilla)")
+            self.model.drafter.requires_grad_(False)   # no graph through it: the head's pass alone
         self.optimizer = torch.optim.AdamW(param_groups(self.model, cfg), betas=(0.9, 0.95), eps=1e-8)
         steps_per_epoch = max(1, len(sequences) // tc.global_batch)
         self.total_steps = tc.max_steps or steps_per_epoch * tc.epochs
@@ -200,10 +204,18 @@ class Trainer:
                 "time": time.time(), **self.extra_meta}
         return ckpt_io.save_checkpoint(path or self.out_dir, self.cfg, state, self.target.config, meta, opt)
 
-    def load_weights(self, path) -> None:
-        """The model's weights from checkpoint `path`, as float32 master weights (no optimizer state)."""
+    def load_weights(self, path, drafter_only: bool = False) -> None:
+        """The model's weights from checkpoint `path`, as float32 master weights (no optimizer state).
+        drafter_only: load the drafter's tensors alone and keep the head as initialised (a head of
+        another shape trained on that drafter)."""
         state = ckpt_io.load_state_dict(path)
-        ckpt_io.load_into(self.model, {k: v.float() if v.is_floating_point() else v for k, v in state.items()}, path)
+        state = {k: v.float() if v.is_floating_point() else v for k, v in state.items()}
+        if drafter_only:
+            prefix = "drafter."
+            ckpt_io.load_into(self.model.drafter, {k[len(prefix):]: v for k, v in state.items()
+                                                   if k.startswith(prefix)}, path)
+        else:
+            ckpt_io.load_into(self.model, state, path)
 
     def resume(self, path) -> bool:
         """Continue from a checkpoint written by `save` (same config); False if there is none."""

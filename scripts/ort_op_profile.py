@@ -22,19 +22,13 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from draft_parts_cost import feeds_for, served_files  # noqa: E402
+from lilicorr.ort_runner import ort_session  # noqa: E402
 from lilicorr.results_io import write_report  # noqa: E402
 
 
 def profile(path: Path, rows: int, context: int, iters: int) -> dict[str, float]:
     """us per run by op type, from ONNX Runtime's profiler."""
-    import onnxruntime as ort
-    so = ort.SessionOptions()
-    so.intra_op_num_threads, so.inter_op_num_threads = 1, 1
-    so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.log_severity_level = 3
-    so.enable_profiling = True
-    so.profile_file_prefix = str(Path(tempfile.mkdtemp()) / "ort")
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    sess = ort_session(path, threads=1, profile_prefix=Path(tempfile.mkdtemp()) / "ort")   # as the engine runs it
     feeds = feeds_for(sess, rows, context, 2, np.random.default_rng(0))
     for _ in range(iters):
         sess.run(None, feeds)

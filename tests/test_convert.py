@@ -490,7 +490,8 @@ def test_vanilla_exports_without_plugin_nodes(llama_dir, tmp_path):
     from lilicorr.plugins.onnx_functions import lilicorr_nodes
 
     model = untrained_model(load_target(llama_dir), vanilla=True)
-    proto = export_draft(model, tmp_path / "draft.onnx")
+    proto, parts = export_draft(model, tmp_path / "draft.onnx")
+    assert parts == {}
     export_context(model, tmp_path / "context.onnx")
     assert not lilicorr_nodes(proto) and not list(proto.functions)
     assert [o.name for o in proto.graph.output] == ["tokens", "cand_ids"]

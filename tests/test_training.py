@@ -464,6 +464,46 @@ def test_cli_init_starts_from_another_checkpoints_weights(target_dir, data_file,
     assert "--vanilla" in capsys.readouterr().err
 
 
+def test_cli_trains_a_head_of_another_shape_on_a_frozen_drafter(target_dir, data_file, tmp_path, capsys):
+    cli = train_cli()
+    base = ["--target", str(target_dir), "--data", str(data_file), *CLI_SMALL]
+    first = tmp_path / "first"
+    assert cli.main([*base, "--out", str(first), "--steps", "2"]) == 0
+    src = ckpt_io.load_checkpoint(first)
+    narrow = tmp_path / "narrow"
+    assert cli.main([*base, "--out", str(narrow), "--steps", "2", "--init", str(first), "--freeze-drafter",
+                     "--head-width", "64", "--head-ffn", "96", "--head-embed", "32", "--head-layers", "1",
+                     "--head-heads", "2"]) == 0
+    out = ckpt_io.load_checkpoint(narrow)
+    want = dataclasses.replace(src.cfg.head, width=64, ffn_width=96, embed_dim=32, num_layers=1, num_heads=2)
+    assert out.cfg.head == want and out.cfg.drafter == src.cfg.drafter and out.cfg.train.freeze_drafter
+    assert out.meta["init_parts"] == "drafter"
+    # the drafter is the initial checkpoint's, bit for bit; the head trained from a fresh start
+    drafter_keys = [k for k in src.state if k.startswith("drafter.")]
+    assert drafter_keys and all(torch.equal(out.state[k], src.state[k]) for k in drafter_keys)
+    assert out.state["head.out_head.weight"].shape == (32, 64)
+    log = [json.loads(line) for line in Path(f"{narrow}.log.jsonl").read_text().splitlines()]
+    assert len(log) == 2 and any(rec["grad_norm"] > 0 for rec in log)
+    printed = capsys.readouterr().out
+    assert "a fresh head on the drafter of --init" in printed and "drafter frozen" in printed
+    # the same shape as the checkpoint's head: its head loads too, and trains on alone
+    same = tmp_path / "same"
+    assert cli.main([*base, "--out", str(same), "--steps", "1", "--init", str(first), "--freeze-drafter"]) == 0
+    again = ckpt_io.load_checkpoint(same)
+    assert "init_parts" not in again.meta
+    assert all(torch.equal(again.state[k], src.state[k]) for k in drafter_keys)
+    w = "head.out_head.weight"
+    moved = (again.state[w] - src.state[w]).abs().max()
+    assert 0 < moved < 0.1 * src.state[w].abs().max()
+    # a frozen drafter needs one to start from, and a head to train; a head shape must divide
+    capsys.readouterr()
+    assert cli.main([*base, "--out", str(tmp_path / "a"), "--steps", "1", "--freeze-drafter"]) == 2
+    assert "--init" in capsys.readouterr().err
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--steps", "1", "--head-width", "30",
+                     "--head-heads", "4"]) == 2
+    assert "divisible" in capsys.readouterr().err
+
+
 def test_cli_with_offline_feature_store(target_dir, data_file, tmp_path, capsys):
     cli = train_cli()
     feats = tmp_path / "features"

@@ -6,10 +6,13 @@
 Resumes from --out when it holds a checkpoint of the same config. Checkpoints appear atomically.
 `--init CKPT` starts a new run from another checkpoint's weights (its model config, draft vocabulary
 and mask token; a fresh optimizer and schedule), e.g. to train a drafter on further on new data.
+With a head shape flag (`--head-width` ...) that differs from the checkpoint's head, only its drafter
+is loaded and the head starts fresh; `--freeze-drafter` then trains that head alone on it.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -53,6 +56,14 @@ def parse_args(argv=None):
     p.add_argument("--mask-token", default="auto",
                    help="mask embedding: auto (an unused special row of the target, else learned), "
                         "learned, or a token id")
+    p.add_argument("--head-width", type=int, default=0, help="LiLiCorr head width W (preset: 256)")
+    p.add_argument("--head-ffn", type=int, default=0, help="the head's FFN width (preset: 512)")
+    p.add_argument("--head-embed", type=int, default=0, help="d_e, width of the in/out vectors (preset: 128)")
+    p.add_argument("--head-layers", type=int, default=0, help="lattice Transformer layers (preset: 2)")
+    p.add_argument("--head-heads", type=int, default=0, help="attention heads of the head (preset: 4)")
+    p.add_argument("--top-k", type=int, default=0, help="K candidates per slot (preset: 8)")
+    p.add_argument("--freeze-drafter", action="store_true",
+                   help="train the head alone; the drafter (from --init) stays as it is")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="bf16: autocast with fp32 master weights (Table 4); fp32: full precision; auto: bf16 "
                         "on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16/AMX), fp32 elsewhere")
@@ -105,7 +116,25 @@ def build_config(args, target_cfg):
     if args.no_distractor:
         cfg.loss.distractor = False
     cfg.drafter = cfg.drafter.for_target(target_cfg)
+    cfg.train.freeze_drafter = args.freeze_drafter
+    apply_head_shape(args, cfg)
     return cfg
+
+
+HEAD_SHAPE_FLAGS = (("head_width", "width"), ("head_ffn", "ffn_width"), ("head_embed", "embed_dim"),
+                    ("head_layers", "num_layers"), ("head_heads", "num_heads"), ("top_k", "top_k"))
+
+
+def apply_head_shape(args, cfg) -> None:
+    """The head shape flags that are set, over cfg.head (the preset's or the --init checkpoint's)."""
+    for flag, name in HEAD_SHAPE_FLAGS:
+        value = getattr(args, flag)
+        if value < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be positive")
+        if value:
+            setattr(cfg.head, name, value)
+    if cfg.head.width % cfg.head.num_heads:
+        raise ValueError(f"head width {cfg.head.width} is not divisible by {cfg.head.num_heads} heads")
 
 
 def _fail(message: str) -> int:
@@ -134,10 +163,15 @@ def main(argv=None) -> int:
         target = load_target(args.target, dtype=torch.float32, device=device)
         cfg = build_config(args, target.config)
         seqs = load_sequences(args.data, cfg.train.seq_len)
+        fresh_head = False
         if args.init:
-            _init_config(args.init, cfg, target)
+            init_head = _init_config(args.init, cfg, target)
+            apply_head_shape(args, cfg)
+            fresh_head = not cfg.vanilla and cfg.head != init_head
             vocab_info = _init_vocabulary(args.init, cfg, seqs)
         else:
+            if args.freeze_drafter:
+                raise ValueError("--freeze-drafter needs --init: the drafter to train a head on")
             vocab_info = _choose_vocabulary(args, cfg, target, seqs)
         pad = target.config.pad_token_id if target.config.pad_token_id is not None else 0
         if args.precision == "auto":
@@ -155,8 +189,10 @@ def main(argv=None) -> int:
         resumed = trainer.resume(args.out)
         if args.init:
             if not resumed:
-                trainer.load_weights(args.init)
+                trainer.load_weights(args.init, drafter_only=fresh_head)
             trainer.extra_meta["init"] = str(args.init)
+            if fresh_head:
+                trainer.extra_meta["init_parts"] = "drafter"     # the head started fresh
             # steps the initial weights had, counting the runs they came from (--init chains):
             # snapshots are named by total steps (init's + this run's)
             init_meta = ckpt_io.read_meta(args.init)
@@ -172,6 +208,8 @@ def main(argv=None) -> int:
               f"{len(seqs)} sequences, {trainer.total_steps} steps, global batch {cfg.train.global_batch}, "
               f"{dist_info.world} rank(s), {'vanilla DFlash' if cfg.vanilla else 'LiLiCorr'}, {args.precision}, "
               f"mask token {cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else 'learned'}"
+              + (", a fresh head on the drafter of --init" if fresh_head else "")
+              + (", drafter frozen" if cfg.train.freeze_drafter else "")
               + (f", draft vocabulary {cfg.drafter.draft_vocab_size} ({100 * vocab_info['draft_coverage']:.2f}% "
                  f"of training tokens)" if cfg.drafter.draft_vocab_size else ""), flush=True)
     progress = _progress(trainer.total_steps, trainer.state.step, is_main)
@@ -214,15 +252,17 @@ def _snapshot(args, trainer) -> None:
         trainer.save(path, save_dtype=torch.bfloat16, with_optimizer=False)
 
 
-def _init_config(path, cfg, target) -> None:
+def _init_config(path, cfg, target):
     """Make `cfg` the model of checkpoint `path` (--init): its drafter (layers, block size, captured
-    layers, draft vocabulary, mask token) and head; the vanilla flag must agree with the run's."""
+    layers, draft vocabulary, mask token) and head; the vanilla flag must agree with the run's.
+    Returns the checkpoint's head config (a copy: the head shape flags may change cfg.head after)."""
     init_cfg, fingerprint = ckpt_io.read_config(path)
     ckpt_io.check_target(path, fingerprint, target.config)
     if init_cfg.vanilla != cfg.vanilla:
         kind = "vanilla DFlash" if init_cfg.vanilla else "LiLiCorr"
         raise ValueError(f"--init {path} holds a {kind} model: train it with{'' if init_cfg.vanilla else 'out'} --vanilla")
     cfg.drafter, cfg.head = init_cfg.drafter, init_cfg.head
+    return dataclasses.replace(init_cfg.head)
 
 
 def _init_vocabulary(path, cfg, seqs) -> dict:
