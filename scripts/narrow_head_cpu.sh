@@ -14,7 +14,7 @@
 #             fp16-weights target, prompt lookup off): the suites and general chat
 #   curve     held-out tau against steps: the new head's snapshots beside the committed head
 #             (scripts/tau_vs_steps.py, teacher-forced)
-#   build     the ONNX Runtime engine of the new checkpoint (convert/build_engine.py)
+#   build     the ONNX Runtime engines of both heads (convert/build_engine.py)
 #   cost      the drafter's sessions of both engines side by side (scripts/draft_parts_cost.py)
 #   triton    the main job's benchmark through Triton on both engines, alternating (ROUNDS rounds)
 # WORK (default work/narrow_head), OUT (default results/narrow_head_epyc), STEPS (default 3000),
