@@ -117,7 +117,6 @@ def build_config(args, target_cfg):
         cfg.loss.distractor = False
     cfg.drafter = cfg.drafter.for_target(target_cfg)
     cfg.train.freeze_drafter = args.freeze_drafter
-    apply_head_shape(args, cfg)
     return cfg
 
 
@@ -163,11 +162,10 @@ def main(argv=None) -> int:
         target = load_target(args.target, dtype=torch.float32, device=device)
         cfg = build_config(args, target.config)
         seqs = load_sequences(args.data, cfg.train.seq_len)
-        fresh_head = False
+        init_head = _init_config(args.init, cfg, target) if args.init else None
+        apply_head_shape(args, cfg)                   # over the preset's head or the --init checkpoint's
+        fresh_head = init_head is not None and not cfg.vanilla and cfg.head != init_head
         if args.init:
-            init_head = _init_config(args.init, cfg, target)
-            apply_head_shape(args, cfg)
-            fresh_head = not cfg.vanilla and cfg.head != init_head
             vocab_info = _init_vocabulary(args.init, cfg, seqs)
         else:
             if args.freeze_drafter:
