@@ -3,13 +3,16 @@
 # checkpoints/smollm2-lilicorr as of BASE_COMMIT (default c1bb932) is width 256 (FFN 512); this
 # trains a fresh head of width HEAD_WIDTH (default 128, FFN twice that, d_e and K as before) on that
 # drafter, frozen, then measures it against the width-256 head.
-#   bash scripts/narrow_head_cpu.sh [data|features|train|eval|curve|build|cost|triton|all]
+#   bash scripts/narrow_head_cpu.sh [data|features|train|reference|eval|curve|build|cost|triton|all]
 # Every phase is resumable (rerun it after an interruption; a phase whose output exists is skipped).
 #   data      the conversations the committed drafter never trained on: data/smollm2's sixth round
 #             (regen-forms lines 2101-4200, regen-chat-openers lines 1201-2400; data/smollm2/README.md)
 #   features  the target's features over them (scripts/cpu_experiment.sh's phase, SHARDS workers)
 #   train     STEPS head steps (batch 8, 32 anchors per sequence, peak learning rate LR_HEAD), the
-#             drafter frozen (train/train.py --init --freeze-drafter --head-width ...)
+#             drafter frozen (train/train.py --init --freeze-drafter --head-width ...); the run's
+#             meta.json (its per-step history) is kept in OUT/train-wWIDTH/
+#   reference the width-256 head scored on the first 100 of the same training batches, unchanged
+#             (learning rate 1e-12); the batch order depends on the seed, not on the number of steps
 #   eval      engine greedy tau of both heads, the settings of results/cpu_smollm2_v12/ (16 rows,
 #             fp16-weights target, prompt lookup off): the suites and general chat
 #   curve     held-out tau against steps: the new head's snapshots beside the committed head
@@ -49,6 +52,13 @@ if want train; then
     --features "$W/features" --init "$BASE" --freeze-drafter --head-width "$WIDTH" --head-ffn $((2 * WIDTH)) \
     --steps "${STEPS:-3000}" --num-anchors 32 --global-batch 8 --lr-head "${LR_HEAD:-1e-3}" \
     --save-every 50 --snapshot-every 250 --save-dtype bfloat16 --out "$CKPT" 2>&1 | tee -a "$W/train.log"
+  mkdir -p "$out/train-w$WIDTH" && cp "$CKPT/meta.json" "$out/train-w$WIDTH/meta.json"   # the run's history
+fi
+if want reference; then   # the width-256 head on the first 100 of the same batches, its weights kept (lr ~ 0)
+  OMP_NUM_THREADS=${THREADS:-2} python train/train.py --preset cpu --target "$T" --data "$W"/regen-*.jsonl \
+    --features "$W/features" --init "$BASE" --freeze-drafter --steps 100 --num-anchors 32 --global-batch 8 \
+    --lr-head 1e-12 --save-dtype bfloat16 --out "$W/reference-w256" 2>&1 | tee -a "$W/reference.log"
+  mkdir -p "$out/reference-w256" && cp "$W/reference-w256/meta.json" "$out/reference-w256/meta.json"
 fi
 if want eval; then   # both heads, one process each (1 thread)
   evaluate() {  # label, checkpoint

@@ -137,11 +137,14 @@ def fit_report(ckpt: Path, evals: list[Path], bases: list[Path], every: int) -> 
         out.append(f"trained parameters: {sum(sizes.values()) / 1e6:.2f} M (drafter "
                    f"{(sum(sizes.values()) - head) / 1e6:.2f} M, head {head / 1e6:.2f} M)")
     hist = json.loads((ckpt / "meta.json").read_text())["history"]
-    out.append("| steps | training-batch tau (walk) | slot-1 top-1 |\n|---|---:|---:|")
+    out.append("| steps | training-batch tau (walk) | slot-1 top-1 | argmax tau | walk gain | CE |\n"
+               "|---|---:|---:|---:|---:|---:|")
     for lo in range(0, len(hist), every):
         seg = hist[lo:lo + every]
-        out.append(f"| {seg[0]['step']}-{seg[-1]['step']} | {statistics.mean(x['tau_lilicorr'] for x in seg):.3f} | "
-                   f"{statistics.mean(x['top1_acc'][0] for x in seg):.3f} |")
+        walk, argmax = (statistics.mean(x[k] for x in seg) for k in ("tau_lilicorr", "tau_argmax"))
+        out.append(f"| {seg[0]['step']}-{seg[-1]['step']} | {walk:.3f} | "
+                   f"{statistics.mean(x['top1_acc'][0] for x in seg):.3f} | {argmax:.3f} | "
+                   f"{100 * (walk / argmax - 1):+.1f}% | {statistics.mean(x['ce'] for x in seg):.3f} |")
 
     def suites(paths):
         return {s: rules for p in paths for s, rules in json.loads(p.read_text())["results"].items()}
