@@ -105,6 +105,11 @@ class LossConfig:
     distractor: bool = True     # False -> Appendix C ablation (CE + DFlash only)
     mu: float = 0.0             # margin blend, Appendix G (0 = off, paper's "+ margin" uses 0.5)
     rho: float = 2.0            # hinge margin, Eq. 13
+    # lattice distillation (not in the paper): weight kappa, inside gamma beside the reranker's
+    # terms, of the KL from a teacher head's score distributions to this head's, over every row of
+    # the lattice (the anchor's K scores and each candidate's K successor scores); 0 = off
+    head_distill: float = 0.0
+    head_distill_temperature: float = 1.0   # softmax temperature of both heads' rows (KL scaled by T^2)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """Training objectives: Eq. 6 (DFlash block CE), Eq. 3 (oracle-prefix CE), Eqs. 4-5 (target-weighted
-distractor penalty), Eq. 13 (margin hinge), combined as Eq. 7 / Appendix G.
+distractor penalty), Eq. 13 (margin hinge), combined as Eq. 7 / Appendix G; and lattice distillation
+from a teacher head (not in the paper).
 
 Every term is returned as a (sum, count) pair so the trainer can normalise by the *global* count
 across data-parallel ranks (token-pooled, like SpecForge), which makes a 2-process run equal a
@@ -25,6 +26,8 @@ class LossTerms:
     dist_sum: torch.Tensor         # Eq. 5 numerator
     margin_sum: torch.Tensor       # Eq. 13 numerator
     num_supervised: torch.Tensor   # |S|: oracle-prefix slots
+    kd_sum: torch.Tensor | None = None     # lattice distillation numerator (None: no teacher)
+    kd_rows: torch.Tensor | None = None    # its rows: blocks x (1 + (S-1) K)
 
 
 def slot_decay(num_slots: int, beta: float, device=None) -> torch.Tensor:
@@ -111,10 +114,36 @@ def reranker_terms(z: torch.Tensor, gt_index: torch.Tensor, prefix: torch.Tensor
     return (ce * mask).sum(), (omega * mask).sum(), (hinge * mask).sum(), mask.sum()
 
 
-def combine(terms: LossTerms, cfg: LossConfig, counts: dict | None = None, vanilla: bool = False):
-    """Eq. 7 (Appendix G with mu > 0): L_DFlash + gamma[(1-mu) L_CE + lambda L_dist + mu L_margin].
+def lattice_distill_terms(anchor_scores: torch.Tensor, pair_scores: torch.Tensor,
+                          teacher_anchor: torch.Tensor, teacher_pair: torch.Tensor,
+                          temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(teacher || student) of every row of the lattice's score distributions, T^2-scaled (Hinton).
 
-    counts: optional global {'dflash_weight', 'num_supervised'} to normalise by (data parallel).
+    A row is the softmax over K candidates of one slot given where the walk stands: the anchor's
+    row (Eq. 1 against the anchor vector) and, for each slot s < S and candidate k there, the row of
+    phi(s, k, .) over slot s+1's candidates; the greedy walk reads one row per slot.
+    anchor_scores / teacher_anchor [N, K], pair_scores / teacher_pair [N, S-1, K, K]
+    -> (sum over rows, number of rows = N (1 + (S-1) K)).
+    """
+    if temperature <= 0:
+        raise ValueError(f"distillation temperature must be > 0, got {temperature}")
+    if anchor_scores.shape != teacher_anchor.shape or pair_scores.shape != teacher_pair.shape:
+        raise ValueError(f"teacher lattice {tuple(teacher_pair.shape)} does not match the head's "
+                         f"{tuple(pair_scores.shape)}")
+    k = anchor_scores.shape[-1]
+    student = torch.cat([anchor_scores[:, None, :], pair_scores.flatten(1, 2)], 1).float()   # [N, R, K]
+    teacher = torch.cat([teacher_anchor[:, None, :], teacher_pair.flatten(1, 2)], 1).float()
+    logp_s = torch.log_softmax(student / temperature, -1)
+    logp_t = torch.log_softmax(teacher.detach() / temperature, -1)
+    kl = (logp_t.exp() * (logp_t - logp_s)).sum(-1)                                        # [N, R]
+    return kl.sum() * temperature ** 2, kl.new_tensor(float(kl.numel()))
+
+
+def combine(terms: LossTerms, cfg: LossConfig, counts: dict | None = None, vanilla: bool = False):
+    """Eq. 7 (Appendix G with mu > 0): L_DFlash + gamma[(1-mu) L_CE + lambda L_dist + mu L_margin],
+    plus gamma kappa L_KD inside the bracket when the terms carry lattice distillation.
+
+    counts: optional global {'dflash_weight', 'num_supervised', 'kd_rows'} to normalise by (data parallel).
     Returns (loss, parts) with parts as floats for logging.
     """
     dw = (counts or {}).get("dflash_weight", terms.dflash_weight).clamp_min(1e-9)
@@ -128,7 +157,11 @@ def combine(terms: LossTerms, cfg: LossConfig, counts: dict | None = None, vanil
             rerank = (1 - cfg.mu) * l_ce + cfg.lam * l_dist + cfg.mu * l_margin
         else:   # Appendix C ablation: lambda's share goes to the CE, the reranker's total weight stays
             rerank = (1 - cfg.mu + cfg.lam) * l_ce + cfg.mu * l_margin
-        loss = loss + cfg.gamma * rerank
         parts.update(ce=l_ce, dist=l_dist, margin=l_margin)
+        if terms.kd_sum is not None:
+            rows = (counts or {}).get("kd_rows", terms.kd_rows).clamp_min(1.0)
+            parts["kd"] = l_kd = terms.kd_sum / rows
+            rerank = rerank + cfg.head_distill * l_kd
+        loss = loss + cfg.gamma * rerank
     parts["total"] = loss
     return loss, {k: float(v.detach()) for k, v in parts.items()}

@@ -108,3 +108,28 @@ def untrained_model(target, preset_name: str = "cpu", seed: int = 0, vanilla: bo
     torch.manual_seed(seed)
     model = LiLiCorrModel(cfg, target)
     return model.to(target.embed_tokens.weight.dtype).eval().requires_grad_(False)
+
+
+def load_teacher_head(ckpt_dir, cfg: LiLiCorrConfig, target) -> LiLiCorrHead:
+    """The LiLiCorr head of checkpoint `ckpt_dir`, frozen in float32, to distil into a head trained
+    under `cfg` (lattice distillation). Its lattice must be the trained model's: the same block size
+    and K (it scores the same candidates) and the same captured target layers (it reads the same
+    target state); its width and depth may differ."""
+    from lilicorr import checkpoint as ckpt_io
+
+    teacher_cfg, fingerprint = ckpt_io.read_config(ckpt_dir)
+    ckpt_io.check_target(ckpt_dir, fingerprint, target.config)
+    if teacher_cfg.vanilla:
+        raise ValueError(f"teacher {ckpt_dir} is a vanilla DFlash checkpoint: it has no head to distil")
+    td, d = teacher_cfg.drafter, cfg.drafter
+    mine = (d.block_size, cfg.head.top_k, d.num_target_layers_captured, d.hidden_size)
+    theirs = (td.block_size, teacher_cfg.head.top_k, td.num_target_layers_captured, td.hidden_size)
+    if mine != theirs:
+        raise ValueError(f"teacher {ckpt_dir} scores another lattice: (block size, K, captured layers, hidden) "
+                         f"{theirs} against this model's {mine}")
+    head = LiLiCorrHead(teacher_cfg.head, target_hidden=td.hidden_size, num_captured=td.num_target_layers_captured,
+                        block_size=td.block_size, embed=target.embed_tokens)
+    prefix = "head."
+    state = {k[len(prefix):]: v.float() for k, v in ckpt_io.load_state_dict(ckpt_dir).items() if k.startswith(prefix)}
+    ckpt_io.load_into(head, state, ckpt_dir)
+    return head.to(target.embed_tokens.weight.device).eval().requires_grad_(False)

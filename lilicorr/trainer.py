@@ -79,7 +79,7 @@ class TrainState:
 class Trainer:
     def __init__(self, cfg: LiLiCorrConfig, target, sequences, out_dir, pad_id: int,
                  dist_info: DistInfo | None = None, micro_batch: int = 0, autocast_bf16: bool = False,
-                 features=None):
+                 features=None, teacher_head=None):
         self.cfg, self.target, self.sequences = cfg, target, sequences
         self.out_dir, self.pad_id = Path(out_dir), pad_id
         self.dist = dist_info or DistInfo()
@@ -105,6 +105,11 @@ class Trainer:
         self.autocast_bf16 = autocast_bf16
         self.features = features          # optional FeatureStore: skips the target forward
         self.extra_meta: dict = {}        # recorded in every checkpoint's meta (vocabulary, precision)
+        if (teacher_head is None) != (cfg.loss.head_distill <= 0):
+            raise ValueError("lattice distillation needs both a teacher head and a weight head_distill > 0")
+        if teacher_head is not None and self.model.head is None:
+            raise ValueError("lattice distillation needs a LiLiCorr head to train (not --vanilla)")
+        self.teacher_head = teacher_head  # frozen LiLiCorrHead distilled into the head, or None
 
     # -- data order: a function of (seed, epoch) only, so resume and world size don't change it --
     def batch_indices(self, step: int) -> list[int]:
@@ -134,7 +139,8 @@ class Trainer:
                 feats = tuple(f.to(self.device) for f in self.features.batch(chunk, ids.shape[1]))
             with nvtx_range("train/forward"), torch.autocast(self.device.type, torch.bfloat16,
                                                              enabled=self.autocast_bf16):
-                outs.append(training_forward(self.model, self.target, ids, mask, anchors, valid, feats))
+                outs.append(training_forward(self.model, self.target, ids, mask, anchors, valid, feats,
+                                             self.teacher_head))
         counts = self._global_counts(outs)
         parts_sum: dict[str, float] = {}
         with nvtx_range("train/backward"):
@@ -161,11 +167,11 @@ class Trainer:
     def _global_counts(self, outs) -> dict:
         dw = sum(o.terms.dflash_weight.detach() for o in outs)
         ns = sum(o.terms.num_supervised.detach() for o in outs)
-        counts = torch.stack([torch.as_tensor(dw, dtype=torch.float32, device=self.device),
-                              torch.as_tensor(ns, dtype=torch.float32, device=self.device)])
+        kd = sum(o.terms.kd_rows.detach() if o.terms.kd_rows is not None else 0.0 for o in outs)
+        counts = torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in (dw, ns, kd)])
         if self.dist.enabled:
             dist.all_reduce(counts)
-        return {"dflash_weight": counts[0], "num_supervised": counts[1]}
+        return {"dflash_weight": counts[0], "num_supervised": counts[1], "kd_rows": counts[2]}
 
     def _all_reduce_grads(self):
         if not self.dist.enabled:

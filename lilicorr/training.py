@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from lilicorr import lattice
 from lilicorr.drafter import block_attention_mask
 from lilicorr.head import top_k_candidates
-from lilicorr.losses import LossTerms, dflash_terms, oracle_prefix, reranker_terms, teacher_forced_scores
+from lilicorr.losses import (LossTerms, dflash_terms, lattice_distill_terms, oracle_prefix, reranker_terms,
+                             teacher_forced_scores)
 from lilicorr.model import LiLiCorrModel
 
 
@@ -96,8 +97,12 @@ class StepOutput:
 
 def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask: torch.Tensor,
                      anchors: torch.Tensor, valid: torch.Tensor,
-                     features: tuple[torch.Tensor, ...] | None = None) -> StepOutput:
+                     features: tuple[torch.Tensor, ...] | None = None,
+                     teacher_head=None) -> StepOutput:
     """ids/loss_mask [N, T], anchors/valid [N, A] -> loss terms and metric sums.
+
+    teacher_head: a frozen LiLiCorrHead (`model.load_teacher_head`) whose lattice scores the head is
+    distilled towards (cfg.loss.head_distill); it reads the same candidates and states.
 
     features: precomputed (captured [N, T, n, H], last_hidden [N, T, H][, target_lse [N, T]]) from a
     FeatureStore; None runs the frozen target here. With target_lse (the log-normaliser of the
@@ -156,6 +161,7 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
     prefix, gt_index = oracle_prefix(cand_ids, labels, label_mask)       # [M, S]
     zero = slot_logits.new_zeros(())
     ce_sum = dist_sum = margin_sum = zero
+    kd_sum = kd_rows = None
     metrics = {
         "blocks": torch.tensor(float(len(anc)), device=dev),
         "label_slots": label_mask.float().sum(0),                                    # [S]
@@ -178,11 +184,18 @@ def training_forward(model: LiLiCorrModel, target, ids: torch.Tensor, loss_mask:
                 cand_logq = (torch.einsum("mskh,msh->msk", w, h_prev.float())
                              - target_lse[rows[:, None], label_pos - 1][..., None])        # [M, S, K]
         ce_sum, dist_sum, margin_sum, _ = reranker_terms(z, gt_index, prefix, cand_logq, cfg.loss.rho)
+        if teacher_head is not None:
+            with torch.no_grad():
+                t_out, t_in, t_anchor = teacher_head(cand_ids, cand_feats, slot_hidden, captured[rows, anc - 1])
+                t_anchor_scores, t_pair_scores = lattice.match_scores(t_anchor, t_out, t_in,
+                                                                      teacher_head.cfg.sigma)
+            kd_sum, kd_rows = lattice_distill_terms(anchor_scores, pair_scores, t_anchor_scores, t_pair_scores,
+                                                    cfg.loss.head_distill_temperature)
         with torch.no_grad():
             walk = lattice.greedy_walk(anchor_scores, pair_scores)
             drafted = torch.gather(cand_ids, -1, walk[..., None]).squeeze(-1)
             metrics["lilicorr_accept"] = _accepted_prefix(drafted, labels, label_mask).float().sum()
-    terms = LossTerms(dflash_sum, dflash_w, ce_sum, dist_sum, margin_sum, prefix.float().sum())
+    terms = LossTerms(dflash_sum, dflash_w, ce_sum, dist_sum, margin_sum, prefix.float().sum(), kd_sum, kd_rows)
     return StepOutput(terms, metrics)
 
 

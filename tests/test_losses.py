@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from lilicorr import lattice
 from lilicorr.config import DrafterConfig, HeadConfig, LiLiCorrConfig, LossConfig, TrainConfig
 from lilicorr.head import top_k_candidates
-from lilicorr.losses import (LossTerms, combine, dflash_terms, oracle_prefix, reranker_terms, slot_decay,
-                             teacher_forced_scores)
+from lilicorr.losses import (LossTerms, combine, dflash_terms, lattice_distill_terms, oracle_prefix,
+                             reranker_terms, slot_decay, teacher_forced_scores)
 
 
 def _logq_with_gt_on_top(n, s, k, gt_index, gen):
@@ -167,6 +167,57 @@ def test_combine_with_no_supervised_slot_is_the_dflash_loss():
     loss, parts = combine(terms, LossConfig())
     assert math.isfinite(loss.item()) and loss.item() == pytest.approx(1.5)
     assert parts["ce"] == parts["dist"] == parts["margin"] == 0.0
+
+
+def test_lattice_distillation_is_the_kl_of_every_row():
+    gen = torch.Generator().manual_seed(6)
+    n, s, k = 3, 4, 5
+    anchor, pair = torch.randn(n, k, generator=gen), torch.randn(n, s - 1, k, k, generator=gen)
+    t_anchor, t_pair = torch.randn(n, k, generator=gen), torch.randn(n, s - 1, k, k, generator=gen)
+    total, rows = lattice_distill_terms(anchor, pair, t_anchor, t_pair)
+    assert rows.item() == n * (1 + (s - 1) * k)
+
+    def kl(student_row, teacher_row, temp=1.0):
+        p = torch.softmax(teacher_row / temp, -1)
+        return (p * (torch.log_softmax(teacher_row / temp, -1) - torch.log_softmax(student_row / temp, -1))).sum()
+
+    want = sum(kl(anchor[b], t_anchor[b]) for b in range(n)) + sum(
+        kl(pair[b, j, i], t_pair[b, j, i]) for b in range(n) for j in range(s - 1) for i in range(k))
+    assert total.item() == pytest.approx(want.item(), rel=1e-5)
+    hot, _ = lattice_distill_terms(anchor, pair, t_anchor, t_pair, temperature=2.0)     # T^2 scaled
+    want2 = 4 * (sum(kl(anchor[b], t_anchor[b], 2.0) for b in range(n)) + sum(
+        kl(pair[b, j, i], t_pair[b, j, i], 2.0) for b in range(n) for j in range(s - 1) for i in range(k)))
+    assert hot.item() == pytest.approx(want2.item(), rel=1e-5)
+    # zero against itself, and a shift of a row (softmax-invariant) changes nothing
+    same, _ = lattice_distill_terms(t_anchor + 3.0, t_pair - 1.5, t_anchor, t_pair)
+    assert abs(same.item()) < 1e-5
+    # the gradient reaches the student only, and a step along it lowers the KL
+    a, p = anchor.clone().requires_grad_(), pair.clone().requires_grad_()
+    ta = t_anchor.clone().requires_grad_()
+    loss, _ = lattice_distill_terms(a, p, ta, t_pair)
+    loss.backward()
+    assert ta.grad is None and a.grad.abs().sum() > 0 and p.grad.abs().sum() > 0
+    after, _ = lattice_distill_terms(a - 0.1 * a.grad, p - 0.1 * p.grad, t_anchor, t_pair)
+    assert after.item() < loss.item()
+    with pytest.raises(ValueError, match="does not match"):
+        lattice_distill_terms(anchor, pair[:, :, :, :-1], t_anchor, t_pair)
+    with pytest.raises(ValueError, match="temperature"):
+        lattice_distill_terms(anchor, pair, t_anchor, t_pair, temperature=0.0)
+
+
+def test_combine_adds_lattice_distillation_inside_gamma():
+    base = [torch.tensor(3.0), torch.tensor(2.0), torch.tensor(4.0), torch.tensor(2.0), torch.tensor(0.0),
+            torch.tensor(2.0)]
+    cfg = LossConfig(gamma=0.5, lam=1.0, head_distill=3.0)
+    without, _ = combine(LossTerms(*base), cfg)
+    loss, parts = combine(LossTerms(*base, kd_sum=torch.tensor(6.0), kd_rows=torch.tensor(12.0)), cfg)
+    assert parts["kd"] == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(without.item() + 0.5 * 3.0 * 0.5)
+    # the global row count (data parallel) normalises instead of the local one
+    loss2, parts2 = combine(LossTerms(*base, kd_sum=torch.tensor(6.0), kd_rows=torch.tensor(12.0)), cfg,
+                            {"dflash_weight": torch.tensor(2.0), "num_supervised": torch.tensor(2.0),
+                             "kd_rows": torch.tensor(24.0)})
+    assert parts2["kd"] == pytest.approx(0.25)
 
 
 def test_teacher_forced_scores_condition_on_ground_truth_predecessor():

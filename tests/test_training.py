@@ -504,6 +504,43 @@ def test_cli_trains_a_head_of_another_shape_on_a_frozen_drafter(target_dir, data
     assert "divisible" in capsys.readouterr().err
 
 
+def test_cli_distils_a_narrow_head_from_a_wide_one(target_dir, data_file, tmp_path, capsys):
+    cli = train_cli()
+    base = ["--target", str(target_dir), "--data", str(data_file), *CLI_SMALL]
+    wide = tmp_path / "wide"
+    assert cli.main([*base, "--out", str(wide), "--steps", "2"]) == 0
+    src = ckpt_io.load_checkpoint(wide)
+    # a head equal to its teacher (the same weights, nothing learned yet) has nothing to distil
+    twin = tmp_path / "twin"
+    assert cli.main([*base, "--out", str(twin), "--steps", "1", "--init", str(wide), "--freeze-drafter",
+                     "--lr-head", "1e-12", "--distill-head", str(wide)]) == 0
+    log = [json.loads(line) for line in Path(f"{twin}.log.jsonl").read_text().splitlines()]
+    assert abs(log[0]["kd"]) < 1e-4
+    # a fresh narrow head starts far from the teacher's rows and learns towards them
+    narrow = tmp_path / "narrow"
+    assert cli.main([*base, "--out", str(narrow), "--steps", "6", "--init", str(wide), "--freeze-drafter",
+                     "--head-width", "64", "--head-ffn", "128", "--lr-head", "3e-3",
+                     "--distill-head", str(wide), "--distill-weight", "4"]) == 0
+    out = ckpt_io.load_checkpoint(narrow)
+    assert out.cfg.head.width == 64 and out.cfg.loss.head_distill == 4.0
+    assert out.meta["distill_head"] == str(wide)
+    log = [json.loads(line) for line in Path(f"{narrow}.log.jsonl").read_text().splitlines()]
+    assert log[0]["kd"] > 0.01 and log[-1]["kd"] < log[0]["kd"]
+    assert all(torch.equal(out.state[k], src.state[k]) for k in src.state if k.startswith("drafter."))
+    assert "distilling the head of" in capsys.readouterr().out
+    # a teacher of another lattice (K), a vanilla run and a weight <= 0 are refused
+    other_k = tmp_path / "other_k"
+    assert cli.main([*base, "--out", str(other_k), "--steps", "1", "--top-k", "4"]) == 0
+    assert cli.main([*base, "--out", str(tmp_path / "a"), "--steps", "1", "--distill-head", str(other_k)]) == 2
+    assert "another lattice" in capsys.readouterr().err
+    assert cli.main([*base, "--out", str(tmp_path / "b"), "--steps", "1", "--vanilla",
+                     "--distill-head", str(wide)]) == 2
+    assert "--vanilla" in capsys.readouterr().err
+    assert cli.main([*base, "--out", str(tmp_path / "c"), "--steps", "1", "--distill-head", str(wide),
+                     "--distill-weight", "0"]) == 2
+    assert "must be > 0" in capsys.readouterr().err
+
+
 def test_cli_with_offline_feature_store(target_dir, data_file, tmp_path, capsys):
     cli = train_cli()
     feats = tmp_path / "features"

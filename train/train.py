@@ -8,6 +8,8 @@ Resumes from --out when it holds a checkpoint of the same config. Checkpoints ap
 and mask token; a fresh optimizer and schedule), e.g. to train a drafter on further on new data.
 With a head shape flag (`--head-width` ...) that differs from the checkpoint's head, only its drafter
 is loaded and the head starts fresh; `--freeze-drafter` then trains that head alone on it.
+`--distill-head CKPT` adds lattice distillation: the head also learns the score distributions of
+CKPT's head (e.g. a narrow head from the wide head it replaces) on every row of the same lattices.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 
 from lilicorr import checkpoint as ckpt_io
 from lilicorr.config import preset
+from lilicorr.model import load_teacher_head
 from lilicorr.target import load_target
 from lilicorr.trainer import Trainer, init_distributed
 from lilicorr.training import load_sequences
@@ -64,6 +67,13 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="K candidates per slot (preset: 8)")
     p.add_argument("--freeze-drafter", action="store_true",
                    help="train the head alone; the drafter (from --init) stays as it is")
+    p.add_argument("--distill-head", default=None, metavar="CKPT",
+                   help="distil the head towards CKPT's head: the KL between their score distributions on "
+                        "every row of the lattice, inside gamma with weight --distill-weight")
+    p.add_argument("--distill-weight", type=float, default=1.0, metavar="KAPPA",
+                   help="weight of the lattice distillation beside the reranker's CE (default 1)")
+    p.add_argument("--distill-temperature", type=float, default=1.0, metavar="T",
+                   help="softmax temperature of both heads' rows in the distillation (default 1)")
     p.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto",
                    help="bf16: autocast with fp32 master weights (Table 4); fp32: full precision; auto: bf16 "
                         "on CUDA and on CPUs with native bf16 matmuls (AVX512-BF16/AMX), fp32 elsewhere")
@@ -117,6 +127,13 @@ def build_config(args, target_cfg):
         cfg.loss.distractor = False
     cfg.drafter = cfg.drafter.for_target(target_cfg)
     cfg.train.freeze_drafter = args.freeze_drafter
+    if args.distill_head:
+        if args.vanilla:
+            raise ValueError("--distill-head distils into a LiLiCorr head; --vanilla has none")
+        if args.distill_weight <= 0 or args.distill_temperature <= 0:
+            raise ValueError(f"--distill-weight {args.distill_weight} and --distill-temperature "
+                             f"{args.distill_temperature} must be > 0")
+        cfg.loss.head_distill, cfg.loss.head_distill_temperature = args.distill_weight, args.distill_temperature
     return cfg
 
 
@@ -177,9 +194,13 @@ def main(argv=None) -> int:
             native = str(device).startswith("cuda") or cpu_has_native_bf16()
             args.precision = "bf16" if native else "fp32"
         bf16 = args.precision == "bf16"
+        teacher = load_teacher_head(args.distill_head, cfg, target) if args.distill_head else None
         features = _feature_store(args.features, target, cfg, seqs, dist_info, bf16) if args.features else None
         trainer = Trainer(cfg, target, seqs, args.out, pad_id=pad, dist_info=dist_info,
-                          micro_batch=args.micro_batch, features=features, autocast_bf16=bf16)
+                          micro_batch=args.micro_batch, features=features, autocast_bf16=bf16,
+                          teacher_head=teacher)
+        if args.distill_head:
+            trainer.extra_meta["distill_head"] = str(args.distill_head)
         if vocab_info.get("draft_ids") is not None:
             trainer.model.drafter.set_draft_vocab(vocab_info.pop("draft_ids"))
         trainer.extra_meta["vocabulary"] = vocab_info
@@ -208,6 +229,7 @@ def main(argv=None) -> int:
               f"mask token {cfg.drafter.mask_token_id if cfg.drafter.mask_token_id is not None else 'learned'}"
               + (", a fresh head on the drafter of --init" if fresh_head else "")
               + (", drafter frozen" if cfg.train.freeze_drafter else "")
+              + (f", distilling the head of {args.distill_head}" if args.distill_head else "")
               + (f", draft vocabulary {cfg.drafter.draft_vocab_size} ({100 * vocab_info['draft_coverage']:.2f}% "
                  f"of training tokens)" if cfg.drafter.draft_vocab_size else ""), flush=True)
     progress = _progress(trainer.total_steps, trainer.state.step, is_main)
