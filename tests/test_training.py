@@ -533,6 +533,11 @@ def test_cli_distils_a_narrow_head_from_a_wide_one(target_dir, data_file, tmp_pa
     assert cli.main([*base, "--out", str(other_k), "--steps", "1", "--top-k", "4"]) == 0
     assert cli.main([*base, "--out", str(tmp_path / "a"), "--steps", "1", "--distill-head", str(other_k)]) == 2
     assert "another lattice" in capsys.readouterr().err
+    vanilla = tmp_path / "vanilla"
+    assert cli.main([*base, "--out", str(vanilla), "--steps", "1", "--vanilla"]) == 0
+    capsys.readouterr()
+    assert cli.main([*base, "--out", str(tmp_path / "v"), "--steps", "1", "--distill-head", str(vanilla)]) == 2
+    assert "no head to distil" in capsys.readouterr().err
     assert cli.main([*base, "--out", str(tmp_path / "b"), "--steps", "1", "--vanilla",
                      "--distill-head", str(wide)]) == 2
     assert "--vanilla" in capsys.readouterr().err
