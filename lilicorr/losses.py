@@ -130,7 +130,6 @@ def lattice_distill_terms(anchor_scores: torch.Tensor, pair_scores: torch.Tensor
     if anchor_scores.shape != teacher_anchor.shape or pair_scores.shape != teacher_pair.shape:
         raise ValueError(f"teacher lattice {tuple(teacher_pair.shape)} does not match the head's "
                          f"{tuple(pair_scores.shape)}")
-    k = anchor_scores.shape[-1]
     student = torch.cat([anchor_scores[:, None, :], pair_scores.flatten(1, 2)], 1).float()   # [N, R, K]
     teacher = torch.cat([teacher_anchor[:, None, :], teacher_pair.flatten(1, 2)], 1).float()
     logp_s = torch.log_softmax(student / temperature, -1)
