@@ -91,7 +91,8 @@ def bench_table(files: list[Path]) -> str:
                 out.append(f"{f.stem}, concurrency {conc}: per-block wall ar {ar['per_block_wall_ms']:.1f} ms "
                            f"(accept {ar['stages_ms']['accept_residual']:.2f}), "
                            f"lilicorr {li['per_block_wall_ms']:.1f} ms (verify {li['stages_ms']['target_verify']:.1f}, "
-                           f"accept {li['stages_ms']['accept_residual']:.2f}), "
+                           f"accept {li['stages_ms']['accept_residual']:.2f}, LM head "
+                           f"{li['stages_ms']['lm_head_projection']:.2f}, head {li['stages_ms']['speculative_head']:.2f}), "
                            f"head share {li['head_share_pct']:.1f}%; every speculative output = ar: "
                            f"{all(c.get('matches_ar') in (None, 1.0) for c in d['cells'])}")
     return "\n".join(out)
@@ -137,14 +138,17 @@ def fit_report(ckpt: Path, evals: list[Path], bases: list[Path], every: int) -> 
         out.append(f"trained parameters: {sum(sizes.values()) / 1e6:.2f} M (drafter "
                    f"{(sum(sizes.values()) - head) / 1e6:.2f} M, head {head / 1e6:.2f} M)")
     hist = json.loads((ckpt / "meta.json").read_text())["history"]
-    out.append("| steps | training-batch tau (walk) | slot-1 top-1 | argmax tau | walk gain | CE |\n"
-               "|---|---:|---:|---:|---:|---:|")
+    distilled = "kd" in hist[0]          # lattice distillation: its KL (unweighted) and the distractor term
+    out.append("| steps | training-batch tau (walk) | slot-1 top-1 | argmax tau | walk gain | CE |"
+               + (" distractor | KL |" if distilled else "") + "\n|---|---:|---:|---:|---:|---:|"
+               + ("---:|---:|" if distilled else ""))
     for lo in range(0, len(hist), every):
         seg = hist[lo:lo + every]
         walk, argmax = (statistics.mean(x[k] for x in seg) for k in ("tau_lilicorr", "tau_argmax"))
+        extra = "".join(f" {statistics.mean(x[k] for x in seg):.3f} |" for k in ("dist", "kd")) if distilled else ""
         out.append(f"| {seg[0]['step']}-{seg[-1]['step']} | {walk:.3f} | "
                    f"{statistics.mean(x['top1_acc'][0] for x in seg):.3f} | {argmax:.3f} | "
-                   f"{100 * (walk / argmax - 1):+.1f}% | {statistics.mean(x['ce'] for x in seg):.3f} |")
+                   f"{100 * (walk / argmax - 1):+.1f}% | {statistics.mean(x['ce'] for x in seg):.3f} |" + extra)
 
     def suites(paths):
         return {s: rules for p in paths for s, rules in json.loads(p.read_text())["results"].items()}

@@ -464,11 +464,16 @@ def test_cli_init_starts_from_another_checkpoints_weights(target_dir, data_file,
     assert "--vanilla" in capsys.readouterr().err
 
 
-def test_cli_trains_a_head_of_another_shape_on_a_frozen_drafter(target_dir, data_file, tmp_path, capsys):
+def _two_step_checkpoint(target_dir, data_file, out: Path):
+    """train.py's entry point, its small common flags, and a checkpoint it trained for 2 steps at `out`."""
     cli = train_cli()
     base = ["--target", str(target_dir), "--data", str(data_file), *CLI_SMALL]
-    first = tmp_path / "first"
-    assert cli.main([*base, "--out", str(first), "--steps", "2"]) == 0
+    assert cli.main([*base, "--out", str(out), "--steps", "2"]) == 0
+    return cli, base, out
+
+
+def test_cli_trains_a_head_of_another_shape_on_a_frozen_drafter(target_dir, data_file, tmp_path, capsys):
+    cli, base, first = _two_step_checkpoint(target_dir, data_file, tmp_path / "first")
     src = ckpt_io.load_checkpoint(first)
     narrow = tmp_path / "narrow"
     assert cli.main([*base, "--out", str(narrow), "--steps", "2", "--init", str(first), "--freeze-drafter",
@@ -505,10 +510,7 @@ def test_cli_trains_a_head_of_another_shape_on_a_frozen_drafter(target_dir, data
 
 
 def test_cli_distils_a_narrow_head_from_a_wide_one(target_dir, data_file, tmp_path, capsys):
-    cli = train_cli()
-    base = ["--target", str(target_dir), "--data", str(data_file), *CLI_SMALL]
-    wide = tmp_path / "wide"
-    assert cli.main([*base, "--out", str(wide), "--steps", "2"]) == 0
+    cli, base, wide = _two_step_checkpoint(target_dir, data_file, tmp_path / "wide")
     src = ckpt_io.load_checkpoint(wide)
     # a head equal to its teacher (the same weights, nothing learned yet) has nothing to distil
     twin = tmp_path / "twin"
