@@ -166,6 +166,44 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
     return out[0] if len(out) == 1 else torch.cat(out, dim=2)
 
 
+class TreeKeys:
+    """A draft-tree verify's attention in batch-invariant mode (`invariant_attention` only: the
+    bf16-gemm kernel skips masked keys by itself). A tree query's visible keys (the cached ones,
+    then its ancestors among the new tokens) are not a prefix of the row's keys: its siblings'
+    keys sit between them, masked. The probabilities are still exactly 0 there, but the GEMM
+    reductions over a block of keys then place the visible terms in other lanes than the causal
+    step that decodes the same path, and round differently; served tree outputs then left `ar`'s.
+    So every query gets its own copy of its visible keys moved to a prefix, in key order, and runs
+    as a one-query row of `invariant_attention`: exactly the keys, order and padding of the
+    causal step at the same depth, so the same bits.
+
+    allowed [N, T, S] bool: query t of row i sees key j. Built once per forward, used by every layer."""
+
+    def __init__(self, allowed: torch.Tensor):
+        n, t, s = allowed.shape
+        self.order = torch.argsort((~allowed).to(torch.int8), dim=-1, stable=True)   # [N, T, S] visible first
+        seen = allowed.sum(-1)                                                           # [N, T]
+        keys = torch.arange(s, device=allowed.device)
+        self.mask = torch.zeros(n * t, 1, 1, s, device=allowed.device).masked_fill_(
+            keys >= seen.reshape(-1, 1, 1, 1), float("-inf"))                            # [N*T, 1, 1, S]
+        self.keys = s
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, hq, T, D], k/v [N, hkv, S, D] (S = the keys `allowed` was built over) -> [N, hq, T, D]."""
+        n, hq, t, d = q.shape
+        hkv = k.shape[1]
+        if k.shape[2] != self.keys:
+            raise ValueError(f"tree keys were built over {self.keys} keys, attention reads {k.shape[2]}")
+        rows = torch.arange(n, device=q.device)[:, None, None]
+
+        def gather(x: torch.Tensor) -> torch.Tensor:       # [N, hkv, S, D] -> [N*T, hkv, S, D]
+            return x[rows, :, self.order].permute(0, 1, 3, 2, 4).reshape(n * t, hkv, self.keys, d)
+
+        y = invariant_attention(q.transpose(1, 2).reshape(n * t, hq, 1, d), gather(k), gather(v),
+                                self.mask)                                                    # [N*T, hq, 1, D]
+        return y.reshape(n, t, hq, d).transpose(1, 2)
+
+
 def padded_keys(upto: int) -> int:
     """Keys an attention over `upto` keys reads in batch-invariant mode: whole blocks of KEY_BLOCK."""
     return -(-upto // KEY_BLOCK) * KEY_BLOCK

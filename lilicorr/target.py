@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch_invariant import invariant_attention, padded_keys
+from .batch_invariant import TreeKeys, invariant_attention, padded_keys
 from .config import CPU_GEMM_PRECISIONS, PRECISIONS
 from .kv_cache import KVCache
 from .rope import RotaryEmbedding, apply_rotary, with_yarn
@@ -164,11 +164,12 @@ class Attention(nn.Module):
         self.invariant_attention = False    # batch-invariant mode (lilicorr.batch_invariant)
         self.attention_kernel = None        # that mode's attention where not `invariant_attention` (bf16-gemm's)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: "torch.Tensor | TreeKeys",
                 cache: KVCache | None, layer: int, rows: Any, plan: Any, upto: int,
                 packing: "Packing | None" = None) -> torch.Tensor:
         """x [N, T, H], or with `packing` only the real tokens [1, M, H] (the projections run on
-        those; rotary, cache and attention on the padded [N, T] layout, padding as zeros)."""
+        those; rotary, cache and attention on the padded [N, T] layout, padding as zeros). `mask`:
+        additive [N|1, 1, T, S], or a draft tree's `TreeKeys` in batch-invariant mode."""
         qkv = self.wqkv(x)
         if packing is not None:
             qkv = packing.unpack(qkv)                                # [N, T, C], zeros at padding
@@ -186,7 +187,9 @@ class Attention(nn.Module):
         else:
             cache.write(layer, rows, k, v, plan=plan)
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
-        if self.invariant_attention:     # bf16-gemm's kernel skips a packed call's padding queries
+        if isinstance(mask, TreeKeys):   # a draft tree in batch-invariant mode: each query's own keys
+            y = mask.attend(q.transpose(1, 2), k, v)                                    # [N, hq, T, D]
+        elif self.invariant_attention:   # bf16-gemm's kernel skips a packed call's padding queries
             live = {"live": packing.valid} if packing is not None and self.attention_kernel is not None else {}
             y = (self.attention_kernel or invariant_attention)(q.transpose(1, 2), k, v, mask, **live)  # [N, hq, T, D]
         else:
@@ -343,6 +346,8 @@ class TargetModel(nn.Module):
             else:
                 width = None
         mask, upto = attention_mask(start, t, mask_dtype, input_ids.device, tree, width)
+        if tree is not None and self.batch_invariant and self.layers[0].self_attn.attention_kernel is None:
+            mask = TreeKeys(mask[:, 0] == 0)          # invariant_attention needs each query's keys as a prefix
         want = {k: None for k in capture}
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, cache, i, idx, plan, width or upto, packing)

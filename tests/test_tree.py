@@ -253,10 +253,15 @@ def test_tree_rule_needs_a_head_and_a_valid_size(tiny_target_dir):
 
 
 @pytest.mark.slow
-def test_smollm2_tree_rule_is_lossless(smollm2_dir):
-    """The real target in fp16-weights (auto on CPUs without AMX) with scripted pools:
-    `tree` output equals `ar` of the same target token for token."""
-    target = load_target(smollm2_dir, dtype="fp16-weights")
+@pytest.mark.parametrize("dtype", ["fp16-weights", "bf16-gemm", "bfloat16"])
+def test_smollm2_tree_rule_is_lossless(smollm2_dir, dtype):
+    """The real target in fp16-weights and in bf16-gemm (what `auto` serves on CPUs with
+    AVX512-BF16) with scripted pools: `tree` output equals `ar` of the same target token for token."""
+    if dtype == "bf16-gemm":
+        from lilicorr.bf16_gemm import bf16_gemm_available
+        if not bf16_gemm_available():
+            pytest.skip("bf16-gemm needs AVX512-BF16 and a C++ toolchain")
+    target = load_target(smollm2_dir, dtype=dtype)
     from lilicorr.draft_runner import TorchDraftRunner
     prompts = random_prompts((12, 30, 7), target.config.vocab_size, seed=2)
     ar_engine = SpecEngine(target, TorchDraftRunner(small_model(target, 8, top_k=2), 1), max_batch=1)
@@ -264,7 +269,7 @@ def test_smollm2_tree_rule_is_lossless(smollm2_dir):
     truths = {i: p + t for i, (p, t) in enumerate(zip(prompts, ar))}
     runner = ScriptedRunner(small_model(target, 8, top_k=2), 3,
                             Corruptor(truths, target.config.vocab_size, 8, 2, seed=3, high_accept=True))
-    engine = SpecEngine(target, runner, max_batch=3, tree_nodes=24)
+    engine = SpecEngine(target, runner, max_batch=3, tree_nodes=40)
     reqs = [dict(prompt=p, max_tokens=22, rule="tree", key=i) for i, p in enumerate(prompts)]
     results, _ = run_requests(engine, reqs, runner=runner)
     for req, r in zip(reqs, results):
