@@ -95,6 +95,14 @@ def bench_table(files: list[Path]) -> str:
                            f"{li['stages_ms']['lm_head_projection']:.2f}, head {li['stages_ms']['speculative_head']:.2f}), "
                            f"head share {li['head_share_pct']:.1f}%; every speculative output = ar: "
                            f"{all(c.get('matches_ar') in (None, 1.0) for c in d['cells'])}")
+            for rule in sorted({r for r, c in walls if c == conc} - {"ar", "lilicorr"}):
+                st = walls[(rule, conc)]
+                out.append(f"{f.stem}, concurrency {conc}: {rule} per-block wall {st['per_block_wall_ms']:.1f} ms "
+                           f"(verify {st['stages_ms']['target_verify']:.1f}, accept {st['stages_ms']['accept_residual']:.2f})")
+        differ = [f"{c['rule']} at {c['concurrency']}: {c['matches_ar']:.0%} of outputs equal" for c in d["cells"]
+                  if c.get("matches_ar") not in (None, 1.0)]
+        if differ:
+            out.append(f"{f.stem}: outputs that differ from ar's: " + "; ".join(differ))
     return "\n".join(out)
 
 

@@ -185,7 +185,8 @@ def test_bf16_gemm_kernel_rows_are_independent_of_the_call():
             for threads, gemm_threads in [(1, 0), (2, 0), (1, 2)]:
                 torch.set_num_threads(threads)
                 set_gemm_threads(gemm_threads)
-                for lo, hi in [(0, 1), (4, 5), (0, 8), (3, 12), (0, 16), (2, 19), (18, 19), (0, rows), (5, rows)]:
+                for lo, hi in [(0, 1), (4, 5), (0, 2), (1, 4), (6, 10), (0, 5), (0, 8), (3, 12), (0, 16), (2, 19), (18, 19),
+                               (0, rows), (5, rows)]:        # each row count the kernel tiles its own way
                     assert torch.equal(gemm(x[lo:hi]), full[lo:hi]), (out_f, in_f, threads, gemm_threads, lo, hi)
                 assert torch.equal(gemm(x[:6].reshape(2, 3, in_f)), full[:6].reshape(2, 3, out_f))
                 assert torch.get_num_threads() == threads                   # raised for the call alone

@@ -27,6 +27,7 @@ constexpr int kGroup = 3;                // column blocks per packed group (48 c
 constexpr int64_t kGroupCols = kBlock * kGroup;
 constexpr int kRows = 8;                 // rows per register tile: 8 x 3 = 24 accumulators
 constexpr int64_t kParallelRows = 32;    // rows (GEMM) or queries (attention) from which a call splits
+constexpr int64_t kPrefetch = 16;        // k-pairs ahead a tile prefetches its weights (0: none)
 
 // Packed weight: [groups][KP][kGroup][16][2] bf16 (KP = K/2 rounded up), as int16 (bf16 bits).
 // A group is one contiguous stream of KP x 192 bytes, read front to back by every tile of it.
@@ -43,6 +44,10 @@ inline void tile(const uint32_t* xp, int64_t KP, const __m512bh* wg, float* y, i
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   for (int64_t kp = 0; kp < KP; ++kp) {
     __m512bh wv[NR];
+    if (kPrefetch > 0 && kp + kPrefetch < KP)                  // the group's stream, kPrefetch pairs ahead
+      for (int g = 0; g < NG; ++g)
+        for (int j = 0; j < kGroup; ++j)
+          _mm_prefetch((const char*)(wg + g * gstride + (kp + kPrefetch) * kGroup + j), _MM_HINT_T0);
     for (int g = 0; g < NG; ++g)
       for (int j = 0; j < kGroup; ++j)
         wv[g * kGroup + j] = (__m512bh)_mm512_loadu_si512((const void*)(wg + g * gstride + kp * kGroup + j));
@@ -73,6 +78,14 @@ void run_groups(const uint32_t* xp, int64_t M, int64_t KP, const __m512bh* w, fl
     for (; g + 4 <= g1; g += 4) tile<1, 4>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
   } else if (M == 2) {
     for (; g + 2 <= g1; g += 2) tile<2, 2>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
+  } else if (M == 3 || M == 4) {
+    // two groups per tile: two weight streams in flight (with one, a 3-token forward cost 1.45 plain
+    // steps on an AMX Xeon, 1.12 with two: results/verify_cost_bf16_gemm_amx/); 5-8 rows keep one
+    // group, as two would spill registers
+    for (; g + 2 <= g1; g += 2) {
+      if (M == 3) tile<3, 2>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
+      else tile<4, 2>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
+    }
   } else if (M == 9) {   // one pass over the weights: 27 accumulators, 3 weight vectors and 1 broadcast
     for (; g < g1; ++g) tile<9, 1>(xp, KP, w + g * gstride, y, N, g * kGroupCols, N, bias);
   }
