@@ -586,6 +586,32 @@ def _load_precision(path: Path, precision: str, device: str | torch.device, yarn
     return model.eval()
 
 
+def _use_fused_attention(model: TargetModel) -> bool:
+    """Batch-invariant bf16 attends with bf16-gemm's compiled kernel (`bf16_gemm.fused_attention`:
+    each query on its own over the keys its mask leaves, in key order) where this CPU can build it,
+    instead of `invariant_attention`'s blocked GEMMs: on a 2-core AMX Xeon those took a fifth of a
+    bf16 forward at 8 rows, and a draft tree's queries need their keys copied into place there
+    (`TreeKeys`). Returns whether it did; bf16-gemm's target has the kernel already."""
+    from .bf16_gemm import bf16_gemm_available, fused_attention
+    attns = [m for m in model.modules() if isinstance(m, Attention)]
+    if not attns or any(m.attention_kernel is not None for m in attns) or not bf16_gemm_available():
+        return False
+    for m in attns:
+        m.attention_kernel = fused_attention
+    return True
+
+
+def use_blocked_attention(model: TargetModel) -> None:
+    """A batch-invariant bf16 target back on `invariant_attention`'s blocked GEMMs (what it used
+    before `_use_fused_attention`): for side-by-side benchmarks (`scripts/verify_cost.py`'s
+    NAME:blocked). bf16-gemm's target keeps its kernel."""
+    if not model.batch_invariant or getattr(model, "gemm_precision", None) == "bf16-gemm":
+        raise ValueError("blocked attention is for a batch-invariant bf16 target")
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.attention_kernel = None
+
+
 def _make_batch_invariant(model: TargetModel, warn: bool = True) -> None:
     """Switch on batch-invariant mode where this machine's kernels pass the check; else keep
     PyTorch's kernels and warn (unless not `warn`: the caller decides). `model.batch_invariant`
@@ -598,6 +624,7 @@ def _make_batch_invariant(model: TargetModel, warn: bool = True) -> None:
         raise ValueError("batch-invariant mode is for CPU targets")
     linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
     use_batch_invariant(model)
+    fused = _use_fused_attention(model)
     fit_single_rows(model)
     failures = check_batch_invariant(model)
     if any(f.startswith("linear") for f in failures) and unpack(model):
@@ -611,6 +638,8 @@ def _make_batch_invariant(model: TargetModel, warn: bool = True) -> None:
         for m in model.modules():
             if isinstance(m, Attention):
                 m.invariant_attention = False
+                if fused:
+                    m.attention_kernel = None
         if warn:
             warnings.warn(f"{model.precision} kernels on this machine are not batch-invariant ({failures[0]}"
                           f"{f' and {len(failures) - 1} more' if len(failures) > 1 else ''}): greedy speculative "

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Measure the target's verify cost t(k)/t(1), k = 1..16, per precision (fp32, bf16, fp16-weights;
-bf16 on a CPU runs batch-invariant, `bfloat16:plain` with PyTorch's own kernels) at 1 and 2 threads.
+bf16 on a CPU runs batch-invariant, `bfloat16:plain` with PyTorch's own kernels, `bfloat16:blocked`
+batch-invariant with the blocked-GEMM attention instead of the compiled kernel) at 1 and 2 threads.
 
     python scripts/verify_cost.py --target .cache/smollm2-135m-instruct-float32 \\
         --out results/verify_cost_cpu --rows 1
@@ -27,7 +28,7 @@ from lilicorr.config import CPU_GEMM_PRECISIONS
 from lilicorr.costmodel import measure_forward_times
 from lilicorr.fp16_linear import set_gemm_threads
 from lilicorr.results_io import save_figure
-from lilicorr.target import load_target, precision_variant
+from lilicorr.target import load_target, precision_variant, use_blocked_attention
 
 
 def cpu_flags() -> list[str]:
@@ -74,7 +75,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--reps", type=int, default=4, help="forwards per k per round")
     p.add_argument("--dtypes", default="float32,bfloat16,fp16-weights",
-                   help="target precisions (PRECISIONS; NAME:plain keeps PyTorch's own kernels, see lilicorr.batch_invariant)")
+                   help="target precisions (PRECISIONS; NAME:plain keeps PyTorch's own kernels, see lilicorr.batch_invariant; "
+                        "NAME:blocked, bf16's batch-invariant blocked-GEMM attention)")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--gemm-threads", default="0",
                    help="comma list: threads of the multi-token GEMMs (fp16-weights: 2+ tokens; bf16-gemm: 32+), each beside every --threads "
@@ -85,13 +87,16 @@ def main(argv=None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     targets = {}
     for d in dtypes:                 # NAME:plain = PyTorch's own kernels (bf16 on a CPU is batch-invariant)
-        name, invariant = precision_variant(d)
+        spec, blocked = (d.removesuffix(":blocked"), True) if d.endswith(":blocked") else (d, False)
+        name, invariant = precision_variant(spec)
         targets[d] = load_target(args.target, dtype=name, batch_invariant=invariant)
+        if blocked:                  # NAME:blocked = batch-invariant bf16 with the blocked-GEMM attention
+            use_blocked_attention(targets[d])
     gemm = [int(g) for g in args.gemm_threads.split(",")]
     ks = range(1, args.max_k + 1)
     # setting: (precision, torch threads, GEMM threads); GEMM threads only vary the CPU GEMM kernels'
     settings = [(d, t, g) for d in dtypes for t in threads
-                for g in (gemm if precision_variant(d)[0] in CPU_GEMM_PRECISIONS else [0])]
+                for g in (gemm if precision_variant(d.removesuffix(":blocked"))[0] in CPU_GEMM_PRECISIONS else [0])]
     per_round: dict[tuple[str, int, int], list[dict[int, float]]] = {st: [] for st in settings}
     for r in range(args.rounds):
         for (d, t, g), acc in per_round.items():

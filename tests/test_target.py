@@ -554,17 +554,22 @@ def test_fit_single_rows_pads_a_lone_row_only_where_that_restores_invariance():
     assert _rows_alone_equal(model[3], torch.randn(ROWS, 32, generator=g))
     assert torch.allclose(model[0](x48[:1]), lins[0](x48[:1]), atol=1e-5)
 
+@pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("family,overrides", [("llama", {"tie_word_embeddings": True}), ("qwen3", {})])
 @torch.no_grad()
-def test_bf16_on_cpu_is_batch_invariant(tiny_target_dir, family, overrides):
+def test_bf16_on_cpu_is_batch_invariant(tiny_target_dir, family, overrides, blocked):
     """bf16 on a CPU loads in batch-invariant mode once this machine's kernels pass the check: every
     linear an InvariantLinear on the same parameters (a tied embedding stays tied), attention the
-    invariant one. Then each token's logits are bit-identical whether it is verified in one forward
-    with the rest of its block, next to other rows, or decoded one token per forward. Where the
-    check fails the model keeps PyTorch's kernels and says so. Other precisions are untouched."""
+    invariant one: bf16-gemm's compiled kernel where this CPU builds it, else (and after
+    `use_blocked_attention`) the blocked GEMMs of `invariant_attention`. Then each token's logits
+    are bit-identical whether it is verified in one forward with the rest of its block, next to
+    other rows, or decoded one token per forward. Where the check fails the model keeps PyTorch's
+    kernels and says so. Other precisions are untouched."""
     import warnings
 
     from lilicorr.batch_invariant import InvariantLinear
+    from lilicorr.bf16_gemm import fused_attention
+    from lilicorr.target import use_blocked_attention
     path = tiny_target_dir(family, **overrides)
     assert not load_target(path).batch_invariant and not load_target(path, dtype="fp16-weights").batch_invariant
     with warnings.catch_warnings(record=True) as caught:
@@ -578,6 +583,13 @@ def test_bf16_on_cpu_is_batch_invariant(tiny_target_dir, family, overrides):
     assert not [w for w in caught if "batch-invariant" in str(w.message)]
     assert len(linears) == 4 * len(model.layers) + 1 and model.layers[0].self_attn.invariant_attention
     assert (model.lm_head.weight is model.embed_tokens.weight) == bool(overrides.get("tie_word_embeddings"))
+    kernels = {layer.self_attn.attention_kernel for layer in model.layers}
+    assert kernels == ({None} if bf16_gemm_missing() else {fused_attention})
+    if blocked:
+        use_blocked_attention(model)
+        assert {layer.self_attn.attention_kernel for layer in model.layers} == {None}
+    with pytest.raises(ValueError, match="batch-invariant bf16"):
+        use_blocked_attention(load_target(path))
     g = torch.Generator().manual_seed(5)
     prompts = torch.randint(4, model.config.vocab_size, (3, 6), generator=g)
     block = torch.randint(4, model.config.vocab_size, (3, 8), generator=g)

@@ -253,15 +253,22 @@ def test_tree_rule_needs_a_head_and_a_valid_size(tiny_target_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["fp16-weights", "bf16-gemm", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["fp16-weights", "bf16-gemm", "bfloat16", "bfloat16:blocked"])
 def test_smollm2_tree_rule_is_lossless(smollm2_dir, dtype):
-    """The real target in fp16-weights and in bf16-gemm (what `auto` serves on CPUs with
-    AVX512-BF16) with scripted pools: `tree` output equals `ar` of the same target token for token."""
+    """The real target in fp16-weights, bf16-gemm (what `auto` serves on CPUs with AVX512-BF16 but
+    no AMX) and batch-invariant bf16 (what it serves on AMX CPUs), the latter also with the
+    blocked-GEMM attention (`use_blocked_attention`: a tree's queries then take `TreeKeys`), with
+    scripted pools: `tree` output equals `ar` of the same target token for token."""
+    from lilicorr.target import use_blocked_attention
     if dtype == "bf16-gemm":
         from lilicorr.bf16_gemm import bf16_gemm_available
         if not bf16_gemm_available():
             pytest.skip("bf16-gemm needs AVX512-BF16 and a C++ toolchain")
-    target = load_target(smollm2_dir, dtype=dtype)
+    target = load_target(smollm2_dir, dtype=dtype.removesuffix(":blocked"))
+    if dtype.endswith(":blocked"):
+        if not target.batch_invariant:
+            pytest.skip("this machine's bf16 kernels are not batch-invariant")
+        use_blocked_attention(target)
     from lilicorr.draft_runner import TorchDraftRunner
     prompts = random_prompts((12, 30, 7), target.config.vocab_size, seed=2)
     ar_engine = SpecEngine(target, TorchDraftRunner(small_model(target, 8, top_k=2), 1), max_batch=1)
