@@ -168,9 +168,9 @@ def invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask:
 
 class TreeKeys:
     """A draft-tree verify's attention in batch-invariant mode with `invariant_attention` (the
-    compiled kernel, `bf16_gemm.fused_attention`, skips masked keys by itself and needs none of this). A tree query's visible keys (the cached ones,
-    then its ancestors among the new tokens) are not a prefix of the row's keys: its siblings'
-    keys sit between them, masked. The probabilities are still exactly 0 there, but the GEMM
+    compiled kernel, `bf16_gemm.fused_attention`, skips masked keys by itself and needs none of
+    this). A tree query's visible keys (the cached ones, then its ancestors among the new tokens)
+    are not a prefix of the row's keys: its siblings' keys sit between them, masked. The probabilities are still exactly 0 there, but the GEMM
     reductions over a block of keys then place the visible terms in other lanes than the causal
     step that decodes the same path, and round differently; served tree outputs then left `ar`'s.
     So every query gets its own copy of its visible keys moved to a prefix, in key order, and runs

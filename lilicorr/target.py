@@ -162,7 +162,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.invariant_attention = False    # batch-invariant mode (lilicorr.batch_invariant)
-        self.attention_kernel = None        # that mode's attention where not `invariant_attention` (bf16-gemm's)
+        self.attention_kernel = None        # that mode's compiled attention (bf16_gemm.fused_attention), if any
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: "torch.Tensor | TreeKeys",
                 cache: KVCache | None, layer: int, rows: Any, plan: Any, upto: int,
@@ -189,7 +189,7 @@ class Attention(nn.Module):
             k, v = cache.read(layer, rows, upto)                 # [N, hkv, S, D]
         if isinstance(mask, TreeKeys):   # a draft tree in batch-invariant mode: each query's own keys
             y = mask.attend(q.transpose(1, 2), k, v)                                    # [N, hq, T, D]
-        elif self.invariant_attention:   # bf16-gemm's kernel skips a packed call's padding queries
+        elif self.invariant_attention:   # the compiled kernel skips a packed call's padding queries
             live = {"live": packing.valid} if packing is not None and self.attention_kernel is not None else {}
             y = (self.attention_kernel or invariant_attention)(q.transpose(1, 2), k, v, mask, **live)  # [N, hq, T, D]
         else:

@@ -554,6 +554,7 @@ def test_fit_single_rows_pads_a_lone_row_only_where_that_restores_invariance():
     assert _rows_alone_equal(model[3], torch.randn(ROWS, 32, generator=g))
     assert torch.allclose(model[0](x48[:1]), lins[0](x48[:1]), atol=1e-5)
 
+
 @pytest.mark.parametrize("blocked", [False, True])
 @pytest.mark.parametrize("family,overrides", [("llama", {"tie_word_embeddings": True}), ("qwen3", {})])
 @torch.no_grad()
