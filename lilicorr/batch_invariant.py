@@ -186,18 +186,17 @@ class TreeKeys:
         keys = torch.arange(s, device=allowed.device)
         self.mask = torch.zeros(n * t, 1, 1, s, device=allowed.device).masked_fill_(
             keys >= seen.reshape(-1, 1, 1, 1), float("-inf"))                            # [N*T, 1, 1, S]
-        self.keys = s
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [N, hq, T, D], k/v [N, hkv, S, D] (S = the keys `allowed` was built over) -> [N, hq, T, D]."""
         n, hq, t, d = q.shape
-        hkv = k.shape[1]
-        if k.shape[2] != self.keys:
-            raise ValueError(f"tree keys were built over {self.keys} keys, attention reads {k.shape[2]}")
+        hkv, s = k.shape[1], self.order.shape[-1]
+        if k.shape[2] != s:
+            raise ValueError(f"tree keys were built over {s} keys, attention reads {k.shape[2]}")
         rows = torch.arange(n, device=q.device)[:, None, None]
 
         def gather(x: torch.Tensor) -> torch.Tensor:       # [N, hkv, S, D] -> [N*T, hkv, S, D]
-            return x[rows, :, self.order].permute(0, 1, 3, 2, 4).reshape(n * t, hkv, self.keys, d)
+            return x[rows, :, self.order].permute(0, 1, 3, 2, 4).reshape(n * t, hkv, s, d)
 
         y = invariant_attention(q.transpose(1, 2).reshape(n * t, hq, 1, d), gather(k), gather(v),
                                 self.mask)                                                    # [N*T, hq, 1, D]

@@ -85,18 +85,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     dtypes = args.dtypes.split(",")
     threads = [int(t) for t in args.threads.split(",")]
-    targets = {}
+    targets, names = {}, {}
     for d in dtypes:                 # NAME:plain = PyTorch's own kernels (bf16 on a CPU is batch-invariant)
-        spec, blocked = (d.removesuffix(":blocked"), True) if d.endswith(":blocked") else (d, False)
-        name, invariant = precision_variant(spec)
-        targets[d] = load_target(args.target, dtype=name, batch_invariant=invariant)
-        if blocked:                  # NAME:blocked = batch-invariant bf16 with the blocked-GEMM attention
+        names[d], invariant = precision_variant(d.removesuffix(":blocked"))
+        targets[d] = load_target(args.target, dtype=names[d], batch_invariant=invariant)
+        if d.endswith(":blocked"):   # NAME:blocked = batch-invariant bf16 with the blocked-GEMM attention
             use_blocked_attention(targets[d])
     gemm = [int(g) for g in args.gemm_threads.split(",")]
     ks = range(1, args.max_k + 1)
     # setting: (precision, torch threads, GEMM threads); GEMM threads only vary the CPU GEMM kernels'
     settings = [(d, t, g) for d in dtypes for t in threads
-                for g in (gemm if precision_variant(d.removesuffix(":blocked"))[0] in CPU_GEMM_PRECISIONS else [0])]
+                for g in (gemm if names[d] in CPU_GEMM_PRECISIONS else [0])]
     per_round: dict[tuple[str, int, int], list[dict[int, float]]] = {st: [] for st in settings}
     for r in range(args.rounds):
         for (d, t, g), acc in per_round.items():
